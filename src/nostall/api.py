@@ -1,0 +1,40 @@
+"""One-shot save and load of a single checkpoint directory."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from .commit import PathTarget
+from ._comm import make_comm
+from .format import DEFAULT_BLOCK_SIZE
+from .handles import SaveStats
+from .loading import load_state
+from .saving import Saver
+
+__all__ = ["save", "load"]
+
+
+def save(state: Any, path: str, *, process_group: Any = None, timeout: float = 600.0,
+         block_size: int = DEFAULT_BLOCK_SIZE) -> SaveStats:
+    """Save ``state`` into the directory ``path`` (replacing an older nostall checkpoint there).
+
+    A collective call over ``process_group`` when ``torch.distributed`` is
+    initialised. The directory appears only once complete.
+    """
+    comm = make_comm(process_group, timeout, own_group=False)
+    try:
+        return Saver(comm, block_size).save(state, PathTarget(os.fspath(path)), None)
+    finally:
+        comm.close()
+
+
+def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
+         process_group: Any = None) -> Any:
+    """Fill ``state`` from the checkpoint directory ``path``; see CheckpointManager.load."""
+    rank, world = 0, 1
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
+    return load_state(state, os.fspath(path), rank=rank, world_size=world, verify=verify, per_rank=per_rank)

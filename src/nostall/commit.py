@@ -1,0 +1,227 @@
+"""The commit protocol: a checkpoint becomes visible only when it is complete.
+
+Directory layout under a manager's root::
+
+    <root>/step_<N>/            committed checkpoints (manifest.json inside)
+    <root>/latest               text file: newest committed step, replaced atomically
+    <root>/.tmp/step_<N>/       a save in progress (never a checkpoint)
+    <root>/.tmp/trash-*/        a checkpoint being deleted (never a checkpoint)
+
+Protocol of one save (see docs/protocol.md):
+1. every rank writes and fsyncs its data files into ``.tmp/step_<N>/``;
+2. once every rank succeeded, rank 0 writes ``manifest.json`` there, fsyncs
+   it and the directory, renames the directory to ``step_<N>`` and fsyncs the
+   root -- this rename is the commit point;
+3. rank 0 replaces ``latest``, then applies retention (older checkpoints are
+   first renamed into ``.tmp/`` and only then deleted).
+
+A directory counts as a checkpoint only if it is named ``step_<N>`` and holds a
+manifest, so a crash at any point leaves the previous checkpoint loadable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+from typing import List, Optional
+
+from . import storage
+from .errors import CheckpointSaveError
+from .format import MANIFEST_NAME
+
+log = logging.getLogger("nostall")
+
+TMP_DIR = ".tmp"
+LATEST = "latest"
+_STEP_RE = re.compile(r"^step_(0|[1-9][0-9]*)$")
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step}")
+
+
+def staging_dir(root: str, step: int) -> str:
+    return os.path.join(root, TMP_DIR, f"step_{step}")
+
+
+def is_committed(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+
+def committed_steps(root: str) -> List[int]:
+    """Steps of the committed checkpoints under ``root``, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for n in names:
+        m = _STEP_RE.match(n)
+        if m and is_committed(os.path.join(root, n)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def read_latest_pointer(root: str) -> Optional[int]:
+    """The step named by ``<root>/latest`` (informational; the scan is the truth)."""
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return int(f.read().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def prepare_staging(root: str, step: int) -> str:
+    """Rank 0, before a save: a clean, empty staging directory for ``step``."""
+    path = staging_dir(root, step)
+    if os.path.exists(path):
+        storage.remove_tree(path)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def publish(staging: str, final: str, manifest: bytes) -> None:
+    """Rank 0: write the manifest last, then rename into place (the commit point)."""
+    storage.write_file(os.path.join(staging, MANIFEST_NAME), [memoryview(manifest)])
+    storage.fsync_dir(staging)
+    parent = os.path.dirname(os.path.abspath(final))
+    old = None
+    if os.path.exists(final):
+        # Re-saving a step: move the old one out of the way first. Between the
+        # two renames the step is absent; older checkpoints stay loadable.
+        old = _trash_path(parent)
+        os.makedirs(os.path.dirname(old), exist_ok=True)
+        os.rename(final, old)
+    os.rename(staging, final)
+    storage.fsync_dir(parent)
+    if old is not None:
+        storage.remove_tree(old)
+
+
+def _trash_path(root: str) -> str:
+    return os.path.join(root, TMP_DIR, f"trash-{uuid.uuid4().hex}")
+
+
+def update_latest(root: str, step: int) -> None:
+    storage.atomic_write(os.path.join(root, LATEST), f"{step}\n".encode())
+
+
+def apply_retention(root: str, keep_last: Optional[int], just_committed: int) -> List[int]:
+    """Delete committed checkpoints beyond the newest ``keep_last``; returns deleted steps.
+
+    Never deletes ``just_committed`` nor the newest checkpoint, never touches
+    anything under ``.tmp``.
+    """
+    if keep_last is None:
+        return []
+    steps = committed_steps(root)
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    keep.add(just_committed)
+    if steps:
+        keep.add(steps[-1])
+    deleted = []
+    for s in steps:
+        if s in keep:
+            continue
+        path = step_dir(root, s)
+        trash = _trash_path(root)
+        try:
+            os.makedirs(os.path.dirname(trash), exist_ok=True)
+            os.rename(path, trash)  # disappears atomically, then is deleted
+        except OSError as e:
+            log.warning("retention: could not remove %s: %s", path, e)
+            continue
+        storage.remove_tree(trash)
+        deleted.append(s)
+    if deleted:
+        storage.fsync_dir(root)
+        log.info("retention: deleted step(s) %s under %s", deleted, root)
+    return deleted
+
+
+def clean_leftovers(root: str) -> None:
+    """Rank 0 at start: remove staging and trash directories left by a crash."""
+    tmp = os.path.join(root, TMP_DIR)
+    try:
+        names = os.listdir(tmp)
+    except FileNotFoundError:
+        return
+    for n in names:
+        log.info("removing leftover %s from an interrupted save", os.path.join(tmp, n))
+        storage.remove_tree(os.path.join(tmp, n))
+
+
+def check_root(root: str) -> None:
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise CheckpointSaveError(f"checkpoint root {root!r} exists and is not a directory")
+
+
+# --------------------------------------------------------------------------- targets
+
+
+class Target:
+    """Where one save goes: a staging directory, and how rank 0 commits it."""
+
+    staging: str
+    final: str
+
+    def prepare(self) -> None:
+        """Rank 0, before anything is written."""
+        raise NotImplementedError
+
+    def commit(self, manifest: bytes) -> None:
+        """Rank 0, after every rank's data is durable."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Rank 0, after a failure: remove the staging directory."""
+        storage.remove_tree(self.staging)
+
+
+class StepTarget(Target):
+    """``<root>/step_<N>`` of a manager: commit, then ``latest``, then retention."""
+
+    def __init__(self, root: str, step: int, keep_last: Optional[int]) -> None:
+        self.root = root
+        self.step = step
+        self.keep_last = keep_last
+        self.staging = staging_dir(root, step)
+        self.final = step_dir(root, step)
+
+    def prepare(self) -> None:
+        check_root(self.root)
+        os.makedirs(self.root, exist_ok=True)
+        prepare_staging(self.root, self.step)
+
+    def commit(self, manifest: bytes) -> None:
+        publish(self.staging, self.final, manifest)
+        newest = committed_steps(self.root)
+        update_latest(self.root, newest[-1] if newest else self.step)
+        try:
+            apply_retention(self.root, self.keep_last, self.step)
+        except OSError as e:  # the checkpoint is committed; retention is best effort
+            log.warning("retention after step %d failed: %s", self.step, e)
+
+
+class PathTarget(Target):
+    """A one-shot save to a directory of its own (``nostall.save``)."""
+
+    def __init__(self, path: str) -> None:
+        self.final = os.path.abspath(path)
+        parent, name = os.path.split(self.final)
+        self.staging = os.path.join(parent, f".{name}.nostall-tmp")
+
+    def prepare(self) -> None:
+        if os.path.exists(self.final) and not is_committed(self.final):
+            raise CheckpointSaveError(
+                f"{self.final} exists and is not a nostall checkpoint; refusing to replace it"
+            )
+        os.makedirs(os.path.dirname(self.final), exist_ok=True)
+        if os.path.exists(self.staging):
+            storage.remove_tree(self.staging)
+        os.makedirs(self.staging)
+
+    def commit(self, manifest: bytes) -> None:
+        publish(self.staging, self.final, manifest)

@@ -1,0 +1,336 @@
+"""The on-disk format: data files (safetensors), the manifest, checksums.
+
+See ``docs/format.md`` for the specification. This module is the only place
+that knows byte layouts and the manifest schema; it does no I/O of its own
+beyond parsing bytes handed to it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import crc32c as _crc32c
+import torch
+
+from .errors import CheckpointCorruptError
+
+FORMAT_NAME = "nostall"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+CHECKSUM_ALGORITHM = "crc32c"
+DEFAULT_BLOCK_SIZE = 4 << 20
+HEADER_ALIGN = 8
+
+Shape = Tuple[int, ...]
+
+_TORCH_TO_ST: Dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+}
+for _name, _code in (
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+):
+    if hasattr(torch, _name):
+        _TORCH_TO_ST[getattr(torch, _name)] = _code
+_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> Optional[str]:
+    """safetensors dtype code of a torch dtype, or None when unsupported."""
+    return _TORCH_TO_ST.get(dtype)
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    try:
+        return _ST_TO_TORCH[code]
+    except KeyError:
+        raise CheckpointCorruptError(f"unknown dtype code {code!r} in checkpoint") from None
+
+
+def itemsize(code: str) -> int:
+    return torch_dtype(code).itemsize
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def block_crcs(buf: memoryview, block_size: int) -> List[int]:
+    """CRC32C of each consecutive ``block_size`` block of ``buf`` (last one shorter)."""
+    n = len(buf)
+    return [_crc32c.crc32c(buf[i : i + block_size]) for i in range(0, n, block_size)]
+
+
+def crc(buf: Any) -> int:
+    return _crc32c.crc32c(buf)
+
+
+# --------------------------------------------------------------------------- data files
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One tensor (piece) in a data file, as planned."""
+
+    name: str
+    dtype: str
+    shape: Shape
+    nbytes: int
+
+
+def piece_name(key: str, offset: Sequence[int], shape: Sequence[int], global_shape: Sequence[int]) -> str:
+    """Name of a piece inside its safetensors file (informational; the manifest rules)."""
+    if tuple(shape) == tuple(global_shape):
+        return key
+    return f"{key}@{','.join(str(o) for o in offset)}"
+
+
+def layout_file(entries: Sequence[FileEntry], metadata: Mapping[str, str]) -> Tuple[bytes, Dict[str, Tuple[int, int]], int]:
+    """Lay out a safetensors file.
+
+    Entries are ordered by decreasing item size, then name, so that every
+    tensor starts at a multiple of its item size. Returns the full header
+    (length prefix included), the absolute ``[start, end)`` of each entry and
+    the total file size.
+    """
+    order = sorted(entries, key=lambda e: (-itemsize(e.dtype), e.name))
+    rel: Dict[str, Tuple[int, int]] = {}
+    pos = 0
+    header: Dict[str, Any] = {}
+    for e in order:
+        if e.name in header:
+            raise ValueError(f"two pieces named {e.name!r} in one file")
+        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
+        rel[e.name] = (pos, pos + e.nbytes)
+        pos += e.nbytes
+    header["__metadata__"] = dict(metadata)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    pad = (-(8 + len(text))) % HEADER_ALIGN
+    text += b" " * pad
+    prefix = struct.pack("<Q", len(text))
+    data_start = 8 + len(text)
+    absolute = {n: (data_start + a, data_start + b) for n, (a, b) in rel.items()}
+    return prefix + text, absolute, data_start + pos
+
+
+def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
+    """Parse a safetensors header from the first bytes of a file.
+
+    ``raw`` must hold at least the 8-byte prefix and the header. Returns the
+    header dict and the absolute offset where data starts.
+    """
+    if len(raw) < 8:
+        raise CheckpointCorruptError(f"{path}: too short for a safetensors header")
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n > 100 << 20 or len(raw) < 8 + n:
+        raise CheckpointCorruptError(f"{path}: safetensors header length {n} is invalid or truncated")
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{path}: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointCorruptError(f"{path}: safetensors header is not an object")
+    return header, 8 + n
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class PieceRecord:
+    offset: Shape
+    shape: Shape
+    file: str
+    start: int  # absolute byte offset in the file
+    end: int
+    crc32c: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    key: str
+    dtype: str
+    shape: Shape
+    sharded: bool
+    pieces: Tuple[PieceRecord, ...]
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    rank: int
+    size: int
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    tensors: Dict[str, TensorRecord]
+    objects: Dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: Optional[int]
+    world_size: int
+    block_size: int
+    files: Dict[str, FileRecord]
+    tensors: Dict[str, TensorRecord]
+    objects: Dict[str, Any]
+    per_rank: Tuple[RankRecord, ...]
+    version: int = FORMAT_VERSION
+
+    # ---------------------------------------------------------------- encode
+    def to_json_bytes(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "version": self.version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_size": self.block_size},
+            "files": {f.name: {"rank": f.rank, "size": f.size} for f in self.files.values()},
+            "tensors": {k: _tensor_doc(t) for k, t in self.tensors.items()},
+            "objects": self.objects,
+            "per_rank": [
+                {"tensors": {k: _tensor_doc(t) for k, t in r.tensors.items()}, "objects": r.objects}
+                for r in self.per_rank
+            ],
+        }
+        return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
+
+    # ---------------------------------------------------------------- decode
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, path: str) -> "Manifest":
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:
+            raise CheckpointCorruptError(f"{path}: manifest is not valid JSON ({e})") from None
+        try:
+            return cls._from_doc(doc, path)
+        except CheckpointCorruptError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointCorruptError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_doc(cls, doc: Any, path: str) -> "Manifest":
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CheckpointCorruptError(f"{path}: not a nostall manifest")
+        version = int(doc["version"])
+        if version > FORMAT_VERSION:
+            raise CheckpointCorruptError(
+                f"{path}: format version {version} is newer than this nostall supports ({FORMAT_VERSION})"
+            )
+        cs = doc["checksum"]
+        if cs["algorithm"] != CHECKSUM_ALGORITHM:
+            raise CheckpointCorruptError(f"{path}: unknown checksum algorithm {cs['algorithm']!r}")
+        block_size = int(cs["block_size"])
+        if block_size <= 0 or block_size % 8:
+            raise CheckpointCorruptError(f"{path}: invalid checksum block size {block_size}")
+        files = {
+            str(n): FileRecord(str(n), int(f["rank"]), int(f["size"])) for n, f in dict(doc["files"]).items()
+        }
+        for n in files:
+            if "/" in n or n.startswith(".") or n == MANIFEST_NAME:
+                raise CheckpointCorruptError(f"{path}: invalid data file name {n!r}")
+        world_size = int(doc["world_size"])
+        step = doc["step"]
+        m = cls(
+            step=None if step is None else int(step),
+            world_size=world_size,
+            block_size=block_size,
+            files=files,
+            tensors={str(k): _tensor_rec(k, t) for k, t in dict(doc["tensors"]).items()},
+            objects=dict(doc["objects"]),
+            per_rank=tuple(
+                RankRecord(
+                    {str(k): _tensor_rec(k, t) for k, t in dict(r["tensors"]).items()}, dict(r["objects"])
+                )
+                for r in list(doc["per_rank"])
+            ),
+            version=version,
+        )
+        m._check(path)
+        return m
+
+    def _check(self, path: str) -> None:
+        if len(self.per_rank) != self.world_size:
+            raise CheckpointCorruptError(f"{path}: per_rank has {len(self.per_rank)} entries, world_size {self.world_size}")
+        recs = list(self.tensors.values()) + [t for r in self.per_rank for t in r.tensors.values()]
+        for t in recs:
+            isz = itemsize(t.dtype)
+            for p in t.pieces:
+                f = self.files.get(p.file)
+                if f is None:
+                    raise CheckpointCorruptError(f"{path}: key {t.key!r} refers to unknown file {p.file!r}")
+                if len(p.offset) != len(t.shape) or len(p.shape) != len(t.shape):
+                    raise CheckpointCorruptError(f"{path}: key {t.key!r}: piece rank does not match tensor rank")
+                if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offset, p.shape, t.shape)):
+                    raise CheckpointCorruptError(f"{path}: key {t.key!r}: piece {p.offset}+{p.shape} outside {t.shape}")
+                n = 1
+                for s in p.shape:
+                    n *= s
+                if p.end - p.start != n * isz or p.start < 0 or p.end > f.size:
+                    raise CheckpointCorruptError(
+                        f"{path}: key {t.key!r}: byte range [{p.start}, {p.end}) of {p.file} is inconsistent"
+                    )
+                if len(p.crc32c) != -(-(p.end - p.start) // self.block_size):
+                    raise CheckpointCorruptError(f"{path}: key {t.key!r}: wrong number of checksums")
+
+
+def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
+    return {
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "sharded": t.sharded,
+        "pieces": [
+            {
+                "offset": list(p.offset),
+                "shape": list(p.shape),
+                "file": p.file,
+                "byte_range": [p.start, p.end],
+                "crc32c": list(p.crc32c),
+            }
+            for p in t.pieces
+        ],
+    }
+
+
+def _tensor_rec(key: Any, t: Mapping[str, Any]) -> TensorRecord:
+    pieces = []
+    for p in t["pieces"]:
+        start, end = (int(x) for x in p["byte_range"])
+        pieces.append(
+            PieceRecord(
+                offset=tuple(int(x) for x in p["offset"]),
+                shape=tuple(int(x) for x in p["shape"]),
+                file=str(p["file"]),
+                start=start,
+                end=end,
+                crc32c=tuple(int(x) for x in p["crc32c"]),
+            )
+        )
+    code = str(t["dtype"])
+    torch_dtype(code)
+    return TensorRecord(str(key), code, tuple(int(x) for x in t["shape"]), bool(t["sharded"]), tuple(pieces))
+
+
+def data_file_name(rank: int) -> str:
+    return f"rank{rank}.safetensors"

@@ -1,0 +1,298 @@
+"""Loading: fill a template state from a checkpoint, resharding as needed.
+
+No collective is needed: every rank reads the manifest and, for each tensor of
+its template, the byte ranges of the saved pieces that intersect the region it
+holds. Reads are aligned to checksum blocks, so every byte used is verified.
+A piece needed whole lands straight in the destination tensor (no extra copy).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from . import storage
+from ._tensorbuf import byte_view
+from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError
+from .format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc, parse_file_header, torch_dtype
+from .model import PerRank, ShardedTensor, dtensor_box, is_dtensor, numel, walk, walk_value
+
+log = logging.getLogger("nostall")
+
+Shape = Tuple[int, ...]
+_READ_CHUNK = 64 << 20
+
+
+def read_manifest(path: str) -> Manifest:
+    """The manifest of the committed checkpoint at ``path``."""
+    if not os.path.isdir(path):
+        raise CheckpointNotFoundError(f"no checkpoint at {path}")
+    mpath = os.path.join(path, MANIFEST_NAME)
+    try:
+        raw = storage.read_whole(mpath)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
+        ) from None
+    return Manifest.from_json_bytes(raw, mpath)
+
+
+@dataclass
+class _Read:
+    rec: TensorRecord
+    piece: PieceRecord
+    box_off: Shape  # global offset of the region to read (inside the piece)
+    box_shape: Shape
+    dest: torch.Tensor  # view of the destination covering exactly the region
+
+
+class _Files:
+    """Open data files of one checkpoint, checked against the manifest sizes."""
+
+    def __init__(self, directory: str, manifest: Manifest) -> None:
+        self.dir = directory
+        self.manifest = manifest
+        self.fds: Dict[str, int] = {}
+
+    def fd(self, name: str) -> int:
+        fd = self.fds.get(name)
+        if fd is None:
+            path = os.path.join(self.dir, name)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{path}: data file missing") from None
+            size = os.fstat(fd).st_size
+            want = self.manifest.files[name].size
+            if size != want:
+                os.close(fd)
+                raise CheckpointCorruptError(f"{path}: size {size} bytes, the manifest says {want} (truncated?)")
+            self.fds[name] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
+def _check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str, bs: int) -> None:
+    for i in range(0, len(buf), bs):
+        b = first_block + i // bs
+        if crc(buf[i : i + bs]) != piece.crc32c[b]:
+            lo = piece.start + b * bs
+            hi = min(lo + bs, piece.end)
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in bytes [{lo}, {hi}) (key {rec.key!r}, piece at "
+                f"offset {list(piece.offset)}): the file is corrupt"
+            )
+
+
+def _execute(r: _Read, files: _Files, verify: bool) -> None:
+    m = files.manifest
+    bs = m.block_size
+    piece, rec = r.piece, r.rec
+    path = os.path.join(files.dir, piece.file)
+    fd = files.fd(piece.file)
+    dtype = torch_dtype(rec.dtype)
+    isz = dtype.itemsize
+    if numel(r.box_shape) == 0:
+        return
+    whole = r.box_shape == piece.shape
+    dest = r.dest
+    if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+        buf = byte_view(dest)
+        storage.read_exact(fd, piece.start, piece.nbytes, path, into=buf)
+        if verify:
+            _check_blocks(buf, 0, piece, rec, path, bs)
+        return
+    pshape = piece.shape
+    nd = len(pshape)
+    strides = [1] * nd
+    for d in range(nd - 2, -1, -1):
+        strides[d] = strides[d + 1] * pshape[d + 1]
+    loc = [b - p for b, p in zip(r.box_off, piece.offset)]
+    if nd == 0:
+        rows = [(0, 1)]
+        row_elems = 1
+    else:
+        row_elems = strides[0]
+        per = max(1, _READ_CHUNK // max(1, row_elems * isz))
+        rows = [(a, min(a + per, loc[0] + r.box_shape[0])) for a in range(loc[0], loc[0] + r.box_shape[0], per)]
+    for a, b in rows:
+        if nd == 0:
+            first, last = 0, 1
+        else:
+            first = a * strides[0] + sum(loc[d] * strides[d] for d in range(1, nd))
+            last = (b - 1) * strides[0] + sum((loc[d] + r.box_shape[d] - 1) * strides[d] for d in range(1, nd)) + 1
+        lo = (first * isz) // bs * bs
+        hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
+        buf = storage.read_exact(fd, piece.start + lo, hi - lo, path)
+        if verify:
+            _check_blocks(buf, lo // bs, piece, rec, path, bs)
+        flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
+        if nd == 0:
+            src = flat.reshape(())
+            dst = dest
+        else:
+            size = (b - a,) + tuple(r.box_shape[1:])
+            src = flat.as_strided(size, strides, first - lo // isz)
+            dst = dest.narrow(0, a - loc[0], b - a)
+        dst.copy_(src)
+
+
+def _plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[_Read]) -> None:
+    """Reads filling ``dest`` (global region ``off`` + dest.shape) from ``rec``'s pieces."""
+    shape = tuple(dest.shape)
+    if numel(shape) == 0:
+        return
+    for p in rec.pieces:
+        lo = tuple(max(a, b) for a, b in zip(off, p.offset))
+        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, p.offset, p.shape))
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        box = tuple(h - l for l, h in zip(lo, hi))
+        view = dest
+        for d, (l, n) in enumerate(zip(lo, box)):
+            view = view.narrow(d, l - off[d], n)
+        out.append(_Read(rec, p, lo, box, view))
+
+
+def _check_tensor(key: str, rec: Optional[TensorRecord], dest: torch.Tensor, gshape: Shape, where: str) -> TensorRecord:
+    if rec is None:
+        raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {where}")
+    dtype = torch_dtype(rec.dtype)
+    if dest.dtype != dtype:
+        raise CheckpointLoadError(f"key {key!r}: the checkpoint holds {dtype}, the template {dest.dtype}")
+    if tuple(rec.shape) != tuple(gshape):
+        raise CheckpointLoadError(
+            f"key {key!r}: the checkpoint holds global shape {list(rec.shape)}, the template {list(gshape)}"
+        )
+    return rec
+
+
+def load_state(
+    template: Any,
+    path: str,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    verify: bool = True,
+    per_rank: str = "error",
+    manifest: Optional[Manifest] = None,
+) -> Any:
+    """Fill ``template`` from the checkpoint at ``path`` and return the restored state.
+
+    ``per_rank``: ``"error"`` (default) refuses PerRank values when the world
+    size differs from the save's; ``"skip"`` leaves them as in the template.
+    """
+    if per_rank not in ("error", "skip"):
+        raise ValueError("per_rank must be 'error' or 'skip'")
+    m = manifest if manifest is not None else read_manifest(path)
+    reads: List[_Read] = []
+
+    def visit(kind: str, key: str, v: Any) -> Any:
+        if kind == "tensor":
+            if isinstance(v, ShardedTensor):
+                dest, off, gshape = v.data, tuple(v.global_offset), tuple(v.global_shape)
+            elif is_dtensor(v):
+                dest, off, gshape, _ = dtensor_box(v, key)
+            else:
+                dest, off, gshape = v, (0,) * v.dim(), tuple(v.shape)
+            rec = _check_tensor(key, m.tensors.get(key), dest, gshape, path)
+            _plan_reads(rec, dest, off, reads)
+            return v
+        if kind == "object":
+            if key not in m.objects:
+                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
+            return m.objects[key]
+        return _restore_per_rank(key, v)
+
+    def _restore_per_rank(key: str, pr: PerRank) -> Any:
+        if m.world_size != world_size:
+            if per_rank == "skip":
+                return pr.value
+            raise CheckpointLoadError(
+                f"key {key!r}: PerRank values were saved by {m.world_size} ranks and cannot be restored on "
+                f"{world_size}; pass per_rank='skip' to keep the template's values"
+            )
+        saved = m.per_rank[rank]
+
+        def inner(kind: str, k: str, v: Any) -> Any:
+            full = key if not k else f"{key}/{k}"
+            if kind == "tensor":
+                rec = _check_tensor(full, saved.tensors.get(full), v, tuple(v.shape), f"{path} (rank {rank})")
+                _plan_reads(rec, v, (0,) * v.dim(), reads)
+                return v
+            if kind == "object":
+                if full not in saved.objects:
+                    raise CheckpointLoadError(f"key {full!r}: not in the checkpoint at {path} (rank {rank})")
+                return saved.objects[full]
+            raise CheckpointLoadError(f"key {full!r}: PerRank nested inside PerRank")
+
+        return walk_value(pr.value, inner)
+
+    restored = walk(template, visit)
+    files = _Files(path, m)
+    try:
+        reads.sort(key=lambda r: (r.piece.file, r.piece.start))
+        with torch.no_grad():
+            for r in reads:
+                _execute(r, files, verify)
+    finally:
+        files.close()
+    return restored
+
+
+def verify_checkpoint(path: str) -> Tuple[int, int]:
+    """Re-read every byte of every data file and check every checksum.
+
+    Returns (files, bytes) checked; raises CheckpointCorruptError naming the
+    bad file otherwise. Also checks each file's safetensors header against
+    the manifest.
+    """
+    m = read_manifest(path)
+    files = _Files(path, m)
+    pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
+    for rec in list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]:
+        for p in rec.pieces:
+            pieces.setdefault(p.file, []).append((rec, p))
+    total = 0
+    try:
+        for name in sorted(m.files):
+            fd = files.fd(name)
+            fpath = os.path.join(path, name)
+            head = storage.read_exact(fd, 0, min(m.files[name].size, 1 << 20), fpath)
+            header, data_start = _header(head, fd, fpath, m.files[name].size)
+            ranges = {}
+            for k, v in header.items():
+                if k != "__metadata__":
+                    ranges[(data_start + v["data_offsets"][0], data_start + v["data_offsets"][1])] = v
+            for rec, p in sorted(pieces.get(name, []), key=lambda x: x[1].start):
+                h = ranges.get((p.start, p.end))
+                if h is None or h.get("dtype") != rec.dtype or tuple(h.get("shape", ())) != tuple(p.shape):
+                    raise CheckpointCorruptError(
+                        f"{fpath}: safetensors header does not match the manifest for key {rec.key!r}"
+                    )
+                for lo in range(0, p.nbytes, _READ_CHUNK):
+                    n = min(_READ_CHUNK, p.nbytes - lo)
+                    buf = storage.read_exact(fd, p.start + lo, n, fpath)
+                    _check_blocks(buf, lo // m.block_size, p, rec, fpath, m.block_size)
+                total += p.nbytes
+    finally:
+        files.close()
+    return len(m.files), total
+
+
+def _header(head: memoryview, fd: int, path: str, size: int) -> Tuple[Dict[str, Any], int]:
+    raw = bytes(head)
+    if len(raw) >= 8:
+        (n,) = struct.unpack("<Q", raw[:8])
+        if 8 + n > len(raw) and 8 + n <= size:
+            raw = bytes(storage.read_exact(fd, 0, 8 + n, path))
+    return parse_file_header(raw, path)

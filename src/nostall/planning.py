@@ -1,0 +1,327 @@
+"""Planning: from every rank's leaves to who writes which bytes where.
+
+The plan is computed from metadata only (keys, dtypes, shapes, offsets), the
+same way on every rank from the same gathered input, so every rank knows the
+whole checkpoint layout -- files, byte ranges, owners -- before any byte is
+written. Only checksums are unknown until the data is written.
+
+Rules:
+* a replicated tensor (plain ``torch.Tensor``) is one piece held by every rank
+  that has the key; pieces of a sharded tensor with the same box are replicas;
+* exactly one holder writes each distinct piece: pieces with one holder go to
+  it, the rest are assigned largest first to the holder with the fewest bytes
+  so far (deterministic);
+* per-rank tensors are written by their own rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .errors import InvalidStateError
+from .format import FileEntry, data_file_name, dtype_code, itemsize, layout_file, piece_name
+from .model import FlatState, numel
+
+Shape = Tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- local metadata
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    key: str
+    dtype: str
+    global_shape: Shape
+    offset: Shape
+    shape: Shape
+    sharded: bool
+    main: bool
+
+
+@dataclass(frozen=True)
+class RankMeta:
+    """What one rank holds, without data."""
+
+    tensors: Tuple[TensorMeta, ...]
+    per_rank: Tuple[Tuple[str, str, Shape], ...]  # (key, dtype, shape)
+
+    def signature(self) -> str:
+        return hashlib.sha256(repr((self.tensors, self.per_rank)).encode()).hexdigest()
+
+
+def local_meta(flat: FlatState) -> RankMeta:
+    tensors = []
+    for t in flat.tensors.values():
+        code = dtype_code(t.data.dtype)
+        if code is None:
+            raise InvalidStateError(f"key {t.key!r}: dtype {t.data.dtype} is not supported")
+        tensors.append(
+            TensorMeta(t.key, code, t.global_shape, t.global_offset, tuple(t.data.shape), t.sharded, t.main)
+        )
+    per_rank = []
+    for k, v in flat.per_rank_tensors.items():
+        code = dtype_code(v.dtype)
+        if code is None:
+            raise InvalidStateError(f"key {k!r}: dtype {v.dtype} is not supported")
+        per_rank.append((k, code, tuple(v.shape)))
+    return RankMeta(tuple(tensors), tuple(per_rank))
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class PiecePlan:
+    offset: Shape
+    shape: Shape
+    owner: int
+    file: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    key: str
+    dtype: str
+    shape: Shape
+    sharded: bool
+    pieces: Tuple[PiecePlan, ...]
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One piece this rank writes: which leaf, where in which file."""
+
+    key: str
+    per_rank: bool
+    offset: Shape  # global offset of the piece (selects among this rank's copies)
+    file: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    rank: int
+    header: bytes
+    size: int
+    items: Tuple[WriteItem, ...]  # in file order
+
+
+@dataclass
+class SavePlan:
+    world_size: int
+    tensors: Dict[str, TensorPlan]
+    per_rank: List[Dict[str, TensorPlan]]
+    files: Dict[str, FilePlan]
+    bytes_per_rank: List[int]
+    signatures: Tuple[str, ...] = ()
+    _by_rank: Dict[int, List[FilePlan]] = field(default_factory=dict)
+
+    def files_of(self, rank: int) -> List[FilePlan]:
+        if not self._by_rank:
+            for f in self.files.values():
+                self._by_rank.setdefault(f.rank, []).append(f)
+        return self._by_rank.get(rank, [])
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_per_rank)
+
+
+def _box_str(offset: Sequence[int], shape: Sequence[int]) -> str:
+    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offset, shape)) + "]"
+
+
+def _overlap(a_off: Shape, a_shape: Shape, b_off: Shape, b_shape: Shape) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
+
+
+def _check_cover(key: str, global_shape: Shape, boxes: List[Tuple[Shape, Shape, List[int]]]) -> None:
+    """Distinct non-empty boxes must not overlap and must tile the global tensor."""
+    nonempty = [b for b in boxes if numel(b[1]) > 0]
+    if global_shape:
+        nonempty.sort(key=lambda b: b[0][0])
+        for i, (off, shp, ranks) in enumerate(nonempty):
+            end0 = off[0] + shp[0]
+            for off2, shp2, ranks2 in nonempty[i + 1 :]:
+                if off2[0] >= end0:
+                    break
+                if _overlap(off, shp, off2, shp2):
+                    raise InvalidStateError(
+                        f"key {key!r}: pieces {_box_str(off, shp)} (rank {ranks[0]}) and "
+                        f"{_box_str(off2, shp2)} (rank {ranks2[0]}) overlap"
+                    )
+    covered = sum(numel(b[1]) for b in nonempty)
+    total = numel(global_shape)
+    if covered != total:
+        raise InvalidStateError(
+            f"key {key!r}: the pieces cover {covered} of {total} elements of the global shape "
+            f"{list(global_shape)}; some part of the tensor is held by no rank"
+        )
+
+
+def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
+    """Validate every rank's metadata and assign each distinct piece to one writer."""
+    world = len(metas)
+    by_key: Dict[str, List[Tuple[int, TensorMeta]]] = {}
+    for r, m in enumerate(metas):
+        for t in m.tensors:
+            by_key.setdefault(t.key, []).append((r, t))
+    per_rank_keys = {k for m in metas for (k, _, _) in m.per_rank}
+    clash = sorted(per_rank_keys & set(by_key))
+    if clash:
+        raise InvalidStateError(f"key {clash[0]!r} is a PerRank value on some ranks and a tensor on others")
+
+    # (key, offset, shape, dtype, holders) for every distinct piece
+    pieces: List[Tuple[str, Shape, Shape, str, List[int]]] = []
+    headers: Dict[str, Tuple[str, Shape, bool]] = {}
+    for key in sorted(by_key):
+        entries = by_key[key]
+        r0, t0 = entries[0]
+        for r, t in entries[1:]:
+            if t.sharded != t0.sharded:
+                raise InvalidStateError(
+                    f"key {key!r}: rank {r0} holds a {'sharded' if t0.sharded else 'replicated'} tensor, "
+                    f"rank {r} a {'sharded' if t.sharded else 'replicated'} one"
+                )
+            if t.dtype != t0.dtype:
+                raise InvalidStateError(f"key {key!r}: dtype {t0.dtype} on rank {r0} but {t.dtype} on rank {r}")
+            if t.global_shape != t0.global_shape:
+                what = "global shape" if t0.sharded else "shape"
+                raise InvalidStateError(
+                    f"key {key!r}: {what} {list(t0.global_shape)} on rank {r0} but {list(t.global_shape)} on rank {r}"
+                )
+        headers[key] = (t0.dtype, t0.global_shape, t0.sharded)
+        boxes: Dict[Tuple[Shape, Shape], List[Tuple[int, bool]]] = {}
+        for r, t in entries:
+            boxes.setdefault((t.offset, t.shape), []).append((r, t.main))
+        if t0.sharded:
+            for (off, shp), holders in boxes.items():
+                mains = [r for r, main in holders if main]
+                if not mains:
+                    raise InvalidStateError(
+                        f"key {key!r}: piece {_box_str(off, shp)} is held by rank(s) "
+                        f"{[r for r, _ in holders]} but none with replica_id 0"
+                    )
+                if len(mains) > 1:
+                    raise InvalidStateError(
+                        f"key {key!r}: ranks {mains} all hold piece {_box_str(off, shp)} with replica_id 0; "
+                        "mark all but one copy with a non-zero replica_id"
+                    )
+            _check_cover(key, t0.global_shape, [(o, s, [r for r, _ in h]) for (o, s), h in boxes.items()])
+        for (off, shp), holders in sorted(boxes.items()):
+            pieces.append((key, off, shp, t0.dtype, sorted(r for r, _ in holders)))
+
+    # ---- owner assignment: fixed pieces first, then largest-first greedy
+    load = [0] * world
+    owner_of: Dict[Tuple[str, Shape], int] = {}
+    for r, m in enumerate(metas):
+        for k, code, shape in m.per_rank:
+            load[r] += numel(shape) * itemsize(code)
+    flexible = []
+    for idx, (key, off, shp, code, holders) in enumerate(pieces):
+        nbytes = numel(shp) * itemsize(code)
+        if len(holders) == 1:
+            owner_of[(key, off)] = holders[0]
+            load[holders[0]] += nbytes
+        else:
+            flexible.append((nbytes, idx))
+    flexible.sort(key=lambda x: (-x[0], x[1]))
+    for nbytes, idx in flexible:
+        key, off, shp, code, holders = pieces[idx]
+        owner = min(holders, key=lambda r: (load[r], (r - idx) % world))
+        owner_of[(key, off)] = owner
+        load[owner] += nbytes
+
+    # ---- files: one per rank that writes anything
+    entries_of: Dict[int, List[Tuple[FileEntry, WriteItem]]] = {}
+    for key, off, shp, code, holders in pieces:
+        r = owner_of[(key, off)]
+        dtype, gshape, _ = headers[key]
+        e = FileEntry(piece_name(key, off, shp, gshape), code, shp, numel(shp) * itemsize(code))
+        entries_of.setdefault(r, []).append((e, WriteItem(key, False, off, data_file_name(r), 0, 0)))
+    for r, m in enumerate(metas):
+        for k, code, shape in m.per_rank:
+            e = FileEntry(k, code, shape, numel(shape) * itemsize(code))
+            entries_of.setdefault(r, []).append(
+                (e, WriteItem(k, True, (0,) * len(shape), data_file_name(r), 0, 0))
+            )
+
+    files: Dict[str, FilePlan] = {}
+    placed: Dict[Tuple[int, str, bool, Shape], WriteItem] = {}
+    for r in sorted(entries_of):
+        name = data_file_name(r)
+        ents = entries_of[r]
+        try:
+            header, where, size = layout_file(
+                [e for e, _ in ents], {"format": "nostall", "rank": str(r), "world_size": str(world)}
+            )
+        except ValueError as e:
+            raise InvalidStateError(f"rank {r}: {e}") from None
+        items = []
+        for e, it in ents:
+            s, t = where[e.name]
+            w = WriteItem(it.key, it.per_rank, it.offset, name, s, t)
+            items.append(w)
+            placed[(r, it.key, it.per_rank, it.offset)] = w
+        items.sort(key=lambda w: w.start)
+        files[name] = FilePlan(name, r, header, size, tuple(items))
+
+    tensors: Dict[str, TensorPlan] = {}
+    grouped: Dict[str, List[PiecePlan]] = {}
+    for key, off, shp, code, holders in pieces:
+        r = owner_of[(key, off)]
+        w = placed[(r, key, False, off)]
+        grouped.setdefault(key, []).append(PiecePlan(off, shp, r, w.file, w.start, w.end))
+    for key, (dtype, gshape, sharded) in headers.items():
+        tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped[key]))
+    per_rank: List[Dict[str, TensorPlan]] = []
+    for r, m in enumerate(metas):
+        d = {}
+        for k, code, shape in m.per_rank:
+            w = placed[(r, k, True, (0,) * len(shape))]
+            d[k] = TensorPlan(k, code, shape, False, (PiecePlan((0,) * len(shape), shape, r, w.file, w.start, w.end),))
+        per_rank.append(d)
+    per_rank_bytes = [0] * world
+    for f in files.values():
+        per_rank_bytes[f.rank] = sum(it.end - it.start for it in f.items)
+    return SavePlan(
+        world_size=world,
+        tensors=tensors,
+        per_rank=per_rank,
+        files=files,
+        bytes_per_rank=per_rank_bytes,
+        signatures=tuple(m.signature() for m in metas),
+    )
+
+
+def check_objects(objects: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """Merge replicated JSON objects of all ranks; they must agree."""
+    import json
+
+    merged: Dict[str, Any] = {}
+    first: Dict[str, Tuple[int, str]] = {}
+    for r, objs in enumerate(objects):
+        for k, v in objs.items():
+            enc = json.dumps(v, sort_keys=True, allow_nan=True)
+            if k in first:
+                r0, enc0 = first[k]
+                if enc != enc0:
+                    raise InvalidStateError(
+                        f"key {k!r}: rank {r0} holds {_short(enc0)} but rank {r} holds {_short(enc)}; "
+                        "values that differ per rank must be wrapped in nostall.PerRank"
+                    )
+            else:
+                first[k] = (r, enc)
+                merged[k] = v
+    return merged
+
+
+def _short(s: str, n: int = 60) -> str:
+    return s if len(s) <= n else s[: n - 3] + "..."
