@@ -1,0 +1,38 @@
+# nostall developer entry points.
+#   make venv   - create .venv (CPU torch pinned first, then the package in editable mode)
+#   make demo   - run the demo
+#   make test   - run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
+#   make clean  - remove the venv, build artefacts and caches
+
+PYTHON        ?= python3
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS   ?=
+
+VENV  := .venv
+VPY   := $(VENV)/bin/python
+PIP   := $(VPY) -m pip
+STAMP := $(VENV)/.stamp
+
+.PHONY: venv demo test clean
+
+venv: $(STAMP)
+
+# Rebuilt when pyproject.toml changes. torch is installed pinned FIRST so that
+# resolving the package's own dependencies never pulls a (CUDA) torch build;
+# the pin is repeated on the second install so pip cannot replace it.
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q -e ".[test]" "torch==$(TORCH_VERSION)"
+	@touch $@
+
+demo: venv
+	$(VPY) -m nostall.demo
+
+test: venv
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache
+	find . -path ./.git -prune -o -name '*.egg-info' -prune -exec rm -rf {} +
+	find . -path ./.git -prune -o -name '__pycache__' -prune -exec rm -rf {} +

@@ -1,0 +1,119 @@
+"""Command line: ``nostall inspect PATH`` and ``nostall verify PATH``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+from . import commit
+from .errors import CheckpointError
+from .format import Manifest, itemsize
+from .loading import read_manifest, verify_checkpoint
+
+
+def _resolve(path: str) -> str:
+    """A checkpoint directory, or a manager root (then its newest checkpoint)."""
+    if commit.is_committed(path):
+        return path
+    steps = commit.committed_steps(path)
+    if steps:
+        return commit.step_dir(path, steps[-1])
+    return path
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _summary(path: str, m: Manifest) -> Dict[str, Any]:
+    tensors = []
+    for k, t in sorted(m.tensors.items()):
+        nbytes = sum(p.nbytes for p in t.pieces)
+        tensors.append({
+            "key": k, "dtype": t.dtype, "shape": list(t.shape), "sharded": t.sharded,
+            "pieces": [{"offset": list(p.offset), "shape": list(p.shape), "file": p.file,
+                        "byte_range": [p.start, p.end]} for p in t.pieces],
+            "bytes": nbytes,
+        })
+    return {
+        "path": os.path.abspath(path),
+        "step": m.step,
+        "format_version": m.version,
+        "world_size": m.world_size,
+        "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in sorted(m.files.values(), key=lambda f: f.name)],
+        "total_bytes": sum(f.size for f in m.files.values()),
+        "tensors": tensors,
+        "objects": sorted(m.objects),
+        "per_rank": [{"tensors": sorted(r.tensors), "objects": sorted(r.objects)} for r in m.per_rank],
+    }
+
+
+def _print_summary(s: Dict[str, Any]) -> None:
+    print(f"checkpoint  {s['path']}")
+    print(f"step        {s['step']}")
+    print(f"world size  {s['world_size']}  (format version {s['format_version']})")
+    print(f"data        {len(s['files'])} file(s), {_human(s['total_bytes'])}")
+    for f in s["files"]:
+        print(f"  {f['name']:<28} rank {f['rank']:<5} {_human(f['size']):>12}")
+    print(f"tensors     {len(s['tensors'])}")
+    w = max([len(t["key"]) for t in s["tensors"]] + [3])
+    for t in s["tensors"]:
+        kind = f"{len(t['pieces'])} piece(s)" if t["sharded"] else "replicated"
+        print(f"  {t['key']:<{w}}  {t['dtype']:<5} {str(t['shape']):<20} {kind:<12} {_human(t['bytes']):>10}")
+    if s["objects"]:
+        print(f"objects     {', '.join(s['objects'])}")
+    pr = s["per_rank"]
+    if pr and any(r["tensors"] or r["objects"] for r in pr):
+        keys = sorted(set(pr[0]["tensors"]) | set(pr[0]["objects"]))
+        print(f"per rank    {', '.join(keys)}  (x {len(pr)} ranks)")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    path = _resolve(args.path)
+    m = read_manifest(path)
+    s = _summary(path, m)
+    if args.json:
+        json.dump(s, sys.stdout, indent=1)
+        print()
+    else:
+        _print_summary(s)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    path = _resolve(args.path)
+    nfiles, nbytes = verify_checkpoint(path)
+    print(f"OK  {os.path.abspath(path)}: {nfiles} file(s), {_human(nbytes)} of tensor data, every checksum matches")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="nostall", description="Inspect and verify nostall checkpoints.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("inspect", help="show what a checkpoint holds")
+    pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
+    pi.add_argument("--json", action="store_true", help="machine-readable output")
+    pi.set_defaults(fn=cmd_inspect)
+    pv = sub.add_parser("verify", help="re-read every byte and check every checksum")
+    pv.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
+    pv.set_defaults(fn=cmd_verify)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except CheckpointError as e:
+        print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
