@@ -73,13 +73,12 @@ def read_latest_pointer(root: str) -> Optional[int]:
         return None
 
 
-def prepare_staging(root: str, step: int) -> str:
-    """Rank 0, before a save: a clean, empty staging directory for ``step``."""
+def remove_stale_staging(root: str, step: int) -> None:
+    """Rank 0, before a save: drop what an interrupted save of ``step`` left."""
     path = staging_dir(root, step)
     if os.path.exists(path):
+        log.info("removing %s left by an interrupted save", path)
         storage.remove_tree(path)
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def publish(staging: str, final: str, manifest: bytes) -> None:
@@ -168,8 +167,12 @@ class Target:
     final: str
 
     def prepare(self) -> None:
-        """Rank 0, before anything is written."""
+        """Rank 0, before the plan: check the destination, drop stale staging data."""
         raise NotImplementedError
+
+    def open_staging(self) -> None:
+        """Every rank, once the plan is valid: make sure the staging directory exists."""
+        os.makedirs(self.staging, exist_ok=True)
 
     def commit(self, manifest: bytes) -> None:
         """Rank 0, after every rank's data is durable."""
@@ -193,7 +196,7 @@ class StepTarget(Target):
     def prepare(self) -> None:
         check_root(self.root)
         os.makedirs(self.root, exist_ok=True)
-        prepare_staging(self.root, self.step)
+        remove_stale_staging(self.root, self.step)
 
     def commit(self, manifest: bytes) -> None:
         publish(self.staging, self.final, manifest)
@@ -221,7 +224,6 @@ class PathTarget(Target):
         os.makedirs(os.path.dirname(self.final), exist_ok=True)
         if os.path.exists(self.staging):
             storage.remove_tree(self.staging)
-        os.makedirs(self.staging)
 
     def commit(self, manifest: bytes) -> None:
         publish(self.staging, self.final, manifest)

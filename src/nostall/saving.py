@@ -54,7 +54,7 @@ class Saver:
         comm = self.comm
         t0 = time.perf_counter()
 
-        # 1. flatten locally, prepare the staging directory (rank 0); exchange outcomes
+        # 1. flatten locally; rank 0 checks the destination; exchange outcomes
         err: Optional[str] = None
         flat = meta = None
         sig = ""
@@ -72,32 +72,23 @@ class Saver:
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
         round1 = comm.all_gather((err, sig, objs, step))
         errors = [r[0] for r in round1]
-        steps = sorted({r[3] for r in round1}, key=str)
-        if not any(errors) and len(steps) > 1:
-            errors = [f"ranks disagree on the step being saved: {steps}"] + [None] * (comm.size - 1)
-        if any(errors):
-            if comm.rank == 0:
-                target.abort()
-            _raise_failures(errors, "save", step, InvalidStateError)
+        _raise_failures(errors, "save", step, InvalidStateError)
+        if len({r[3] for r in round1}) > 1:
+            raise InvalidStateError(
+                "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[3]}" for i, r in enumerate(round1))
+            )
         assert flat is not None and meta is not None
 
-        # 2. plan (cached while every rank's structure is unchanged)
+        # 2. plan (cached while every rank's structure is unchanged); same result on every rank
         sigs = tuple(r[1] for r in round1)
         cached = self._plan is not None and self._plan.signatures == sigs
-        try:
-            if cached:
-                plan = self._plan
-            else:
-                self._plan = None
-                metas = comm.all_gather(meta)
-                plan = build_plan(metas)
-                self._plan = plan
-            objects = check_objects([r[2][0] for r in round1])
-        except InvalidStateError:
-            if comm.rank == 0:
-                target.abort()
-            raise
-        assert plan is not None
+        if cached:
+            plan = self._plan
+        else:
+            self._plan = None
+            plan = build_plan(comm.all_gather(meta))
+            self._plan = plan
+        objects = check_objects([r[2][0] for r in round1])
         per_rank_objects = [r[2][1] for r in round1]
         t_plan = time.perf_counter()
 
@@ -105,6 +96,7 @@ class Saver:
         result: Optional[WriteResult] = None
         err = None
         try:
+            target.open_staging()
             result = write_files(
                 plan.files_of(comm.rank),
                 target.staging,
@@ -117,11 +109,12 @@ class Saver:
             log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
         t_write = time.perf_counter()
         outcomes = comm.all_gather((err, result.crcs if result else None))
+        write_errors = [o[0] for o in outcomes]
 
-        # 4. rank 0 commits once every rank succeeded
+        # 4. rank 0 commits once every rank succeeded (or cleans up), then tells everyone
         commit_err: Optional[str] = None
         if comm.rank == 0:
-            if any(o[0] for o in outcomes):
+            if any(write_errors):
                 target.abort()
             else:
                 try:
@@ -133,9 +126,8 @@ class Saver:
                     commit_err = f"commit of {target.final}: {_describe(e)}"
                     log.error("save of step %s: %s", step, commit_err)
                     target.abort()
-        write_errors = [o[0] for o in outcomes]
-        _raise_failures(write_errors, "save", step, CheckpointSaveError)
         commit_err = comm.broadcast(commit_err, src=0)
+        _raise_failures(write_errors, "save", step, CheckpointSaveError)
         if commit_err:
             raise CheckpointSaveError(f"save of step {step} failed on rank 0: {commit_err}")
         t_end = time.perf_counter()
