@@ -81,8 +81,11 @@ def remove_stale_staging(root: str, step: int) -> None:
         storage.remove_tree(path)
 
 
-def publish(staging: str, final: str, manifest: bytes) -> None:
-    """Rank 0: write the manifest last, then rename into place (the commit point)."""
+def publish(staging: str, final: str, manifest: bytes, trash: str) -> None:
+    """Rank 0: write the manifest last, then rename into place (the commit point).
+
+    An existing ``final`` is first moved to ``trash`` and deleted afterwards.
+    """
     storage.write_file(os.path.join(staging, MANIFEST_NAME), [memoryview(manifest)])
     storage.fsync_dir(staging)
     parent = os.path.dirname(os.path.abspath(final))
@@ -90,7 +93,7 @@ def publish(staging: str, final: str, manifest: bytes) -> None:
     if os.path.exists(final):
         # Re-saving a step: move the old one out of the way first. Between the
         # two renames the step is absent; older checkpoints stay loadable.
-        old = _trash_path(parent)
+        old = trash
         os.makedirs(os.path.dirname(old), exist_ok=True)
         os.rename(final, old)
     os.rename(staging, final)
@@ -199,9 +202,12 @@ class StepTarget(Target):
         remove_stale_staging(self.root, self.step)
 
     def commit(self, manifest: bytes) -> None:
-        publish(self.staging, self.final, manifest)
+        publish(self.staging, self.final, manifest, _trash_path(self.root))
         newest = committed_steps(self.root)
-        update_latest(self.root, newest[-1] if newest else self.step)
+        try:
+            update_latest(self.root, newest[-1] if newest else self.step)
+        except OSError as e:  # committed; readers scan step_<N> directories anyway
+            log.warning("step %d is committed but updating %s failed: %s", self.step, LATEST, e)
         try:
             apply_retention(self.root, self.keep_last, self.step)
         except OSError as e:  # the checkpoint is committed; retention is best effort
@@ -226,4 +232,5 @@ class PathTarget(Target):
             storage.remove_tree(self.staging)
 
     def commit(self, manifest: bytes) -> None:
-        publish(self.staging, self.final, manifest)
+        parent, name = os.path.split(self.final)
+        publish(self.staging, self.final, manifest, os.path.join(parent, f".{name}.nostall-old-{uuid.uuid4().hex}"))

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import crc32c as _crc32c
 import torch
 
+from ._boxes import cover_problem
 from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "nostall"
@@ -95,7 +96,7 @@ class FileEntry:
 def piece_name(key: str, offset: Sequence[int], shape: Sequence[int], global_shape: Sequence[int]) -> str:
     """Name of a piece inside its safetensors file (informational; the manifest rules)."""
     if tuple(shape) == tuple(global_shape):
-        return key
+        return key if key != "__metadata__" else key + "@"
     return f"{key}@{','.join(str(o) for o in offset)}"
 
 
@@ -293,6 +294,9 @@ class Manifest:
                     )
                 if len(p.crc32c) != -(-(p.end - p.start) // self.block_size):
                     raise CheckpointCorruptError(f"{path}: key {t.key!r}: wrong number of checksums")
+            problem = cover_problem(t.shape, [(p.offset, p.shape) for p in t.pieces])
+            if problem:
+                raise CheckpointCorruptError(f"{path}: key {t.key!r}: {problem}")
 
 
 def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:

@@ -39,6 +39,8 @@ def read_manifest(path: str) -> Manifest:
         raise CheckpointNotFoundError(
             f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
         ) from None
+    except OSError as e:
+        raise CheckpointLoadError(f"{mpath}: cannot read the manifest: {e}") from None
     return Manifest.from_json_bytes(raw, mpath)
 
 

@@ -134,11 +134,11 @@ def check_json(v: Any, key: str) -> None:
                 raise InvalidStateError(
                     f"key {key!r}: JSON objects need str keys, found {type(k).__name__} key {k!r}"
                 )
-            check_json(x, f"{key}/{escape_component(k)}")
+            check_json(x, f"{key}/{escape_component(k)}" if key else escape_component(k))
         return
     if isinstance(v, (list, tuple)):
         for i, x in enumerate(v):
-            check_json(x, f"{key}/{i}")
+            check_json(x, f"{key}/{i}" if key else str(i))
         return
     raise InvalidStateError(
         f"key {key!r}: unsupported value of type {type(v).__module__}.{type(v).__qualname__}; "
@@ -250,7 +250,7 @@ def walk(state: Any, visit: Visit) -> Any:
     """Walk a state, calling ``visit`` on each leaf; returns the rebuilt tree."""
     if not isinstance(state, Mapping):
         raise InvalidStateError(f"a state must be a dict at the top level, got {type(state).__name__}")
-    return _walk(state, (), visit)
+    return _walk(state, (), visit, root=True)
 
 
 def walk_value(value: Any, visit: Visit) -> Any:
@@ -258,12 +258,12 @@ def walk_value(value: Any, visit: Visit) -> Any:
     return _walk(value, (), visit)
 
 
-def _walk(v: Any, path: Tuple, visit: Visit) -> Any:
+def _walk(v: Any, path: Tuple, visit: Visit, root: bool = False) -> Any:
     if is_tensor_leaf(v):
         return visit("tensor", join_key(path), v)
     if isinstance(v, PerRank):
         return visit("per_rank", join_key(path), v)
-    if isinstance(v, Mapping) and _contains_special(v):
+    if isinstance(v, Mapping) and (root or _contains_special(v)):
         out = {}
         for k, x in v.items():
             out[k] = _walk(x, path + (_component(k, path),), visit)
@@ -271,8 +271,6 @@ def _walk(v: Any, path: Tuple, visit: Visit) -> Any:
     if isinstance(v, (list, tuple)) and _contains_special(v):
         items = [_walk(x, path + (i,), visit) for i, x in enumerate(v)]
         return type(v)(items) if isinstance(v, tuple) and not hasattr(v, "_fields") else items
-    if not path:
-        return visit("object", "", v)
     return visit("object", join_key(path), v)
 
 

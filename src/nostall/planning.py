@@ -20,6 +20,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from ._boxes import box_str, cover_problem
 from .errors import InvalidStateError
 from .format import FileEntry, data_file_name, dtype_code, itemsize, layout_file, piece_name
 from .model import FlatState, numel
@@ -134,38 +135,6 @@ class SavePlan:
         return sum(self.bytes_per_rank)
 
 
-def _box_str(offset: Sequence[int], shape: Sequence[int]) -> str:
-    return "[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offset, shape)) + "]"
-
-
-def _overlap(a_off: Shape, a_shape: Shape, b_off: Shape, b_shape: Shape) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a_off, a_shape, b_off, b_shape))
-
-
-def _check_cover(key: str, global_shape: Shape, boxes: List[Tuple[Shape, Shape, List[int]]]) -> None:
-    """Distinct non-empty boxes must not overlap and must tile the global tensor."""
-    nonempty = [b for b in boxes if numel(b[1]) > 0]
-    if global_shape:
-        nonempty.sort(key=lambda b: b[0][0])
-        for i, (off, shp, ranks) in enumerate(nonempty):
-            end0 = off[0] + shp[0]
-            for off2, shp2, ranks2 in nonempty[i + 1 :]:
-                if off2[0] >= end0:
-                    break
-                if _overlap(off, shp, off2, shp2):
-                    raise InvalidStateError(
-                        f"key {key!r}: pieces {_box_str(off, shp)} (rank {ranks[0]}) and "
-                        f"{_box_str(off2, shp2)} (rank {ranks2[0]}) overlap"
-                    )
-    covered = sum(numel(b[1]) for b in nonempty)
-    total = numel(global_shape)
-    if covered != total:
-        raise InvalidStateError(
-            f"key {key!r}: the pieces cover {covered} of {total} elements of the global shape "
-            f"{list(global_shape)}; some part of the tensor is held by no rank"
-        )
-
-
 def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
     """Validate every rank's metadata and assign each distinct piece to one writer."""
     world = len(metas)
@@ -206,15 +175,17 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
                 mains = [r for r, main in holders if main]
                 if not mains:
                     raise InvalidStateError(
-                        f"key {key!r}: piece {_box_str(off, shp)} is held by rank(s) "
+                        f"key {key!r}: piece {box_str(off, shp)} is held by rank(s) "
                         f"{[r for r, _ in holders]} but none with replica_id 0"
                     )
                 if len(mains) > 1:
                     raise InvalidStateError(
-                        f"key {key!r}: ranks {mains} all hold piece {_box_str(off, shp)} with replica_id 0; "
+                        f"key {key!r}: ranks {mains} all hold piece {box_str(off, shp)} with replica_id 0; "
                         "mark all but one copy with a non-zero replica_id"
                     )
-            _check_cover(key, t0.global_shape, [(o, s, [r for r, _ in h]) for (o, s), h in boxes.items()])
+            problem = cover_problem(t0.global_shape, list(boxes))
+            if problem:
+                raise InvalidStateError(f"key {key!r}: {problem}")
         for (off, shp), holders in sorted(boxes.items()):
             pieces.append((key, off, shp, t0.dtype, sorted(r for r, _ in holders)))
 

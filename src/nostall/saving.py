@@ -55,7 +55,8 @@ class Saver:
         t0 = time.perf_counter()
 
         # 1. flatten locally; rank 0 checks the destination; exchange outcomes
-        err: Optional[str] = None
+        state_err: Optional[str] = None
+        target_err: Optional[str] = None
         flat = meta = None
         sig = ""
         try:
@@ -63,24 +64,24 @@ class Saver:
             meta = local_meta(flat)
             sig = meta.signature()
         except InvalidStateError as e:
-            err = str(e)
-        if err is None and comm.rank == 0:
+            state_err = str(e)
+        if state_err is None and comm.rank == 0:
             try:
                 target.prepare()
             except (OSError, CheckpointError) as e:
-                err = f"cannot prepare {target.staging}: {_describe(e)}"
+                target_err = f"cannot save to {target.final}: {_describe(e)}"
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
-        round1 = comm.all_gather((err, sig, objs, step))
-        errors = [r[0] for r in round1]
-        _raise_failures(errors, "save", step, InvalidStateError)
-        if len({r[3] for r in round1}) > 1:
+        round1 = comm.all_gather((state_err, target_err, sig, objs, step))
+        _raise_failures([r[0] for r in round1], "save", step, InvalidStateError)
+        _raise_failures([r[1] for r in round1], "save", step, CheckpointSaveError)
+        if len({r[4] for r in round1}) > 1:
             raise InvalidStateError(
-                "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[3]}" for i, r in enumerate(round1))
+                "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
             )
         assert flat is not None and meta is not None
 
         # 2. plan (cached while every rank's structure is unchanged); same result on every rank
-        sigs = tuple(r[1] for r in round1)
+        sigs = tuple(r[2] for r in round1)
         cached = self._plan is not None and self._plan.signatures == sigs
         if cached:
             plan = self._plan
@@ -88,8 +89,8 @@ class Saver:
             self._plan = None
             plan = build_plan(comm.all_gather(meta))
             self._plan = plan
-        objects = check_objects([r[2][0] for r in round1])
-        per_rank_objects = [r[2][1] for r in round1]
+        objects = check_objects([r[3][0] for r in round1])
+        per_rank_objects = [r[3][1] for r in round1]
         t_plan = time.perf_counter()
 
         # 3. write this rank's files
