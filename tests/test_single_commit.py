@@ -326,11 +326,6 @@ def test_context_manager_and_close(tmp_path: Path) -> None:
     assert not (tmp_path / "step_2").exists()
 
 
-def test_async_save_not_available(tmp_path: Path) -> None:
-    with pytest.raises(NotImplementedError):
-        nostall.CheckpointManager(tmp_path, async_save=True)
-
-
 # --------------------------------------------------------------------------- handles and stats
 
 

@@ -2,15 +2,21 @@
 
 Public API::
 
-    mgr = nostall.CheckpointManager(root, keep_last=3)
+    mgr = nostall.CheckpointManager(root, keep_last=3, async_save=True)
     mgr.save(step, state)          # state: nested dict of tensors, ShardedTensor,
     restored = mgr.load(state)     # DTensor, JSON values and PerRank values
     nostall.save(state, path); nostall.load(state, path)
+
+Names are imported lazily, so that ``import nostall.writer`` (the background
+writer process) does not import torch.
 """
 
-import logging as _logging
+from __future__ import annotations
 
-from .api import load, save
+import importlib
+import logging as _logging
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,11 +25,24 @@ from .errors import (
     CheckpointSaveError,
     InvalidStateError,
 )
-from .handles import SaveHandle, SaveStats
-from .manager import CheckpointManager
-from .model import PerRank, ShardedTensor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .api import load, save
+    from .handles import SaveHandle, SaveStats
+    from .manager import CheckpointManager
+    from .model import PerRank, ShardedTensor
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CheckpointManager": "manager",
+    "ShardedTensor": "model",
+    "PerRank": "model",
+    "SaveHandle": "handles",
+    "SaveStats": "handles",
+    "save": "api",
+    "load": "api",
+}
 
 __all__ = [
     "CheckpointManager",
@@ -40,5 +59,19 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nostall' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(__all__))
+
 
 _logging.getLogger("nostall").addHandler(_logging.NullHandler())

@@ -186,6 +186,15 @@ class Target:
         storage.remove_tree(self.staging)
 
 
+class NoTarget(Target):
+    """Planning only (``CheckpointManager.prepare``): nothing is written."""
+
+    staging = final = "<none>"
+
+    def prepare(self) -> None:
+        pass
+
+
 class StepTarget(Target):
     """``<root>/step_<N>`` of a manager: commit, then ``latest``, then retention."""
 

@@ -1,8 +1,8 @@
 """The on-disk format: data files (safetensors), the manifest, checksums.
 
 See ``docs/format.md`` for the specification. This module is the only place
-that knows byte layouts and the manifest schema; it does no I/O of its own
-beyond parsing bytes handed to it.
+that knows byte layouts and the manifest schema. It does no I/O and does not
+import torch (the background writer process uses it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
-import torch
 
 from ._boxes import cover_problem
 from .errors import CheckpointCorruptError
@@ -27,44 +26,20 @@ HEADER_ALIGN = 8
 
 Shape = Tuple[int, ...]
 
-_TORCH_TO_ST: Dict[torch.dtype, str] = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.int16: "I16",
-    torch.int32: "I32",
-    torch.int64: "I64",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float32: "F32",
-    torch.float64: "F64",
+ITEMSIZE: Dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
 }
-for _name, _code in (
-    ("uint16", "U16"),
-    ("uint32", "U32"),
-    ("uint64", "U64"),
-    ("float8_e4m3fn", "F8_E4M3"),
-    ("float8_e5m2", "F8_E5M2"),
-):
-    if hasattr(torch, _name):
-        _TORCH_TO_ST[getattr(torch, _name)] = _code
-_ST_TO_TORCH = {v: k for k, v in _TORCH_TO_ST.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> Optional[str]:
-    """safetensors dtype code of a torch dtype, or None when unsupported."""
-    return _TORCH_TO_ST.get(dtype)
-
-
-def torch_dtype(code: str) -> torch.dtype:
-    try:
-        return _ST_TO_TORCH[code]
-    except KeyError:
-        raise CheckpointCorruptError(f"unknown dtype code {code!r} in checkpoint") from None
+"""Item size in bytes of every dtype code (safetensors' codes)."""
 
 
 def itemsize(code: str) -> int:
-    return torch_dtype(code).itemsize
+    try:
+        return ITEMSIZE[code]
+    except KeyError:
+        raise CheckpointCorruptError(f"unknown dtype code {code!r} in checkpoint") from None
 
 
 # --------------------------------------------------------------------------- checksums
@@ -216,6 +191,30 @@ class Manifest:
         }
         return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
+    def with_crcs(self, crcs: Mapping[Tuple[str, int, int], Sequence[int]]) -> "Manifest":
+        """This manifest with each piece's checksums taken from ``crcs[(file, start, end)]``."""
+
+        def fill(t: TensorRecord) -> TensorRecord:
+            pieces = []
+            for p in t.pieces:
+                try:
+                    c = tuple(crcs[(p.file, p.start, p.end)])
+                except KeyError:
+                    raise ValueError(f"no checksums reported for key {t.key!r} in {p.file} at {p.start}") from None
+                pieces.append(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, c))
+            return TensorRecord(t.key, t.dtype, t.shape, t.sharded, tuple(pieces))
+
+        return Manifest(
+            step=self.step,
+            world_size=self.world_size,
+            block_size=self.block_size,
+            files=self.files,
+            tensors={k: fill(t) for k, t in self.tensors.items()},
+            objects=self.objects,
+            per_rank=tuple(RankRecord({k: fill(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
+            version=self.version,
+        )
+
     # ---------------------------------------------------------------- decode
     @classmethod
     def from_json_bytes(cls, raw: bytes, path: str) -> "Manifest":
@@ -332,7 +331,7 @@ def _tensor_rec(key: Any, t: Mapping[str, Any]) -> TensorRecord:
             )
         )
     code = str(t["dtype"])
-    torch_dtype(code)
+    itemsize(code)
     return TensorRecord(str(key), code, tuple(int(x) for x in t["shape"]), bool(t["sharded"]), tuple(pieces))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from .errors import CheckpointError
 
@@ -15,17 +15,23 @@ __all__ = ["SaveStats", "SaveHandle"]
 class SaveStats:
     """Timings (seconds) and sizes of one save, as seen by this rank.
 
-    ``stall_s`` is the time ``save()`` blocked the caller; ``plan_s``,
-    ``write_s`` and ``commit_s`` split the work (``commit_s`` includes waiting
-    for the other ranks). ``bytes_written`` is this rank's share,
-    ``total_bytes`` the whole checkpoint's tensor data.
+    ``stall_s`` is the time ``save()`` blocked the caller, including
+    ``wait_s``, the wait for the previous save to commit. ``plan_s`` (the
+    collective planning), ``stage_s`` (copy into the staging area, async only),
+    ``write_s`` (data files written and fsynced) and ``commit_s`` (waiting for
+    the other ranks and the commit) split the work; ``total_s`` runs from the
+    call to the commit. ``bytes_written`` is this rank's share,
+    ``total_bytes`` the whole checkpoint's data files.
     """
 
     step: Optional[int]
     rank: int
     world_size: int
+    async_save: bool
     stall_s: float
+    wait_s: float
     plan_s: float
+    stage_s: float
     write_s: float
     commit_s: float
     total_s: float
@@ -47,9 +53,10 @@ class SaveStats:
 class SaveHandle:
     """The outcome of one ``save()``, in the manner of ``concurrent.futures.Future``."""
 
-    def __init__(self, step: Optional[int], path: str) -> None:
+    def __init__(self, step: Optional[int], path: str, driver: Optional[Callable[[Optional[float]], None]] = None) -> None:
         self.step = step
         self.path = path
+        self._driver = driver  # waits (bounded) for the save to settle; set for async saves
         self._done = threading.Event()
         self._stats: Optional[SaveStats] = None
         self._error: Optional[BaseException] = None
@@ -62,22 +69,38 @@ class SaveHandle:
         self._error = error
         self._done.set()
 
+    def _settle(self, timeout: Optional[float]) -> None:
+        if self._done.is_set():
+            return
+        if self._driver is not None:
+            try:
+                self._driver(timeout)
+            except CheckpointError:
+                pass  # recorded on the handle, or still pending (checked below)
+        if not self._done.wait(0 if self._driver is not None else timeout):
+            raise CheckpointError(f"save of step {self.step} not finished within {timeout}s")
+
     def done(self) -> bool:
-        """True once the checkpoint is committed or the save failed."""
+        """True once the checkpoint is committed or the save failed (never blocks long)."""
+        if not self._done.is_set() and self._driver is not None:
+            try:
+                self._driver(0)
+            except CheckpointError:
+                pass
         return self._done.is_set()
 
     def result(self, timeout: Optional[float] = None) -> SaveStats:
-        """Wait (bounded by ``timeout``) and return the stats, or raise the save's error."""
-        if not self._done.wait(timeout):
-            raise CheckpointError(f"save of step {self.step} not finished within {timeout}s")
+        """Wait (bounded by ``timeout``, default: the manager's) for the commit and
+        return the stats, or raise the save's error."""
+        self._settle(timeout)
         if self._error is not None:
             raise self._error
         assert self._stats is not None
         return self._stats
 
     def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
-        if not self._done.wait(timeout):
-            raise CheckpointError(f"save of step {self.step} not finished within {timeout}s")
+        """Wait like :meth:`result`; the save's error, or None if it committed."""
+        self._settle(timeout)
         return self._error
 
     @property

@@ -19,7 +19,8 @@ import torch
 from . import storage
 from ._tensorbuf import byte_view
 from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError
-from .format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc, parse_file_header, torch_dtype
+from ._dtypes import torch_dtype
+from .format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc, parse_file_header
 from .model import PerRank, ShardedTensor, dtensor_box, is_dtensor, numel, walk, walk_value
 
 log = logging.getLogger("nostall")

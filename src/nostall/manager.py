@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
+import signal
 import threading
-from typing import Any, Deque, List, Optional
+import time
+import weakref
+from typing import Any, Deque, List, Optional, Tuple
 
-from . import commit
+from . import commit, storage
 from ._comm import Comm, make_comm
-from .errors import CheckpointError, CheckpointNotFoundError
+from .background import BackgroundWriter
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from .format import DEFAULT_BLOCK_SIZE
 from .handles import SaveHandle, SaveStats
 from .loading import load_state
-from .saving import Saver
+from .saving import PendingSave, Saver
 
 log = logging.getLogger("nostall")
 
 __all__ = ["CheckpointManager"]
+
+
+def _sigterm_to_exit(signum: int, frame: Any) -> None:
+    """SIGTERM handler: unwind and exit normally, so that atexit drains pending saves."""
+    raise SystemExit(128 + signum)
 
 
 class CheckpointManager:
@@ -34,11 +44,20 @@ class CheckpointManager:
         root: directory of the run's checkpoints (created if missing).
         keep_last: keep only this many newest committed checkpoints (None: all).
         process_group: the ranks that save together (default: all ranks).
-        async_save: write in a background process (not available yet).
-        timeout: bound, in seconds, of every wait on other ranks.
+        async_save: write in a background process per rank: ``save()`` returns
+            once the rank's state is copied to host memory. The writer process
+            starts now, so the first save pays no start-up.
+        timeout: bound, in seconds, of every wait (other ranks, the writer).
+        errors: ``"raise"`` (default): a failed asynchronous save raises
+            :class:`~nostall.CheckpointSaveError` from the next ``save()``,
+            ``finalize_pending_saves()``, ``load()`` or ``close()``;
+            ``"log"``: it is logged and training goes on.
+        block_size: checksum block size in bytes (granularity of partial reads).
 
     Thread safety: calls are serialised by an internal lock; a manager may be
-    used from a thread other than the one that created it.
+    used from a thread other than the one that created it (e.g. saves requested
+    by a trainer thread while another thread generates). Collective calls
+    (``save``, ``prepare``) must be made in the same order on every rank.
     """
 
     def __init__(
@@ -49,28 +68,52 @@ class CheckpointManager:
         process_group: Any = None,
         async_save: bool = False,
         timeout: float = 600.0,
+        errors: str = "raise",
         block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        if async_save:
-            raise NotImplementedError("async_save=True is not implemented yet; use async_save=False")
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if errors not in ("raise", "log"):
+            raise ValueError("errors must be 'raise' or 'log'")
         if block_size <= 0 or block_size % 8:
             raise ValueError("block_size must be a positive multiple of 8")
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
         self.timeout = float(timeout)
+        self.async_save = bool(async_save)
+        self.errors = errors
         self._lock = threading.RLock()
         self._closed = False
-        self._comm: Comm = make_comm(process_group, self.timeout, own_group=True)
-        self._saver = Saver(self._comm, block_size)
+        self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
+        self._last_records: Optional[str] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
-        if self._comm.rank == 0:
-            commit.check_root(self.root)
-            os.makedirs(self.root, exist_ok=True)
-            commit.clean_leftovers(self.root)
+        self._writer: Optional[BackgroundWriter] = None
+        self._comm: Comm = make_comm(process_group, self.timeout, own_group=True)
+        try:
+            self._saver = Saver(self._comm, block_size, self.timeout)
+            if self._comm.rank == 0:
+                commit.check_root(self.root)
+                os.makedirs(self.root, exist_ok=True)
+                commit.clean_leftovers(self.root)
+            if self.async_save:
+                self._writer = BackgroundWriter(self._comm.rank, self.timeout)
+        except BaseException:
+            self._comm.close()
+            raise
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:
+            m = ref()
+            if m is not None:
+                m._close_at_exit()
+
+        self._at_exit = at_exit
+        atexit.register(at_exit)
+        if self.async_save and threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _sigterm_to_exit)
 
     # ------------------------------------------------------------------ info
     @property
@@ -82,6 +125,11 @@ class CheckpointManager:
     def world_size(self) -> int:
         return self._comm.size
 
+    @property
+    def writer_pid(self) -> Optional[int]:
+        """Process id of this rank's background writer (async mode), else None."""
+        return self._writer.pid if self._writer is not None else None
+
     def path_for(self, step: int) -> str:
         """Directory of the checkpoint of ``step`` (committed or not)."""
         return commit.step_dir(self.root, step)
@@ -91,42 +139,107 @@ class CheckpointManager:
         return commit.committed_steps(self.root)
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None."""
+        """The newest committed step, or None. A pending save is not counted."""
         steps = self.steps()
         return steps[-1] if steps else None
 
     def stats(self) -> List[SaveStats]:
-        """Stats of this manager's successful saves, oldest first."""
+        """Stats of this manager's committed saves, oldest first."""
         return list(self._stats)
 
     # ------------------------------------------------------------------ save / load
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def prepare(self, state: Any) -> None:
+        """Plan ``state`` and allocate the staging area ahead of the first save (collective).
+
+        Optional: the first ``save()`` otherwise does it.
+        """
+        with self._lock:
+            self._check_open()
+            p = self._saver.prepare(state, commit.NoTarget(), None)
+            if self._writer is not None:
+                from .staging import layout
+
+                _, size = layout(p.plan.files_of(self.rank))
+                self._writer.ensure_alive()
+                self._writer.area.ensure(size)
+                self._writer.attach_if_needed()
+
+    def save(self, step: int, state: Any, *, async_save: Optional[bool] = None) -> SaveHandle:
         """Save ``state`` as checkpoint ``step``; a collective call over the group.
 
-        Returns after the checkpoint is committed (synchronous mode). Raises
-        :class:`~nostall.InvalidStateError` for a bad state and
-        :class:`~nostall.CheckpointSaveError` when any rank failed; in both
-        cases nothing is committed and the previous checkpoint stays latest.
+        Waits first for the previous save of this manager to be committed. A
+        synchronous save returns after its commit; an asynchronous one
+        (``async_save`` defaults to the manager's setting) once this rank's
+        data is copied to host memory: the returned handle completes later.
+
+        Raises :class:`~nostall.InvalidStateError` for a bad state and
+        :class:`~nostall.CheckpointSaveError` when a rank failed; nothing is
+        then committed and the previous checkpoint stays latest. Tensors may be
+        modified as soon as ``save()`` returns.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        use_async = self.async_save if async_save is None else bool(async_save)
+        t_call = time.perf_counter()
         with self._lock:
             self._check_open()
             self.finalize_pending_saves()
             target = commit.StepTarget(self.root, step, self.keep_last)
-            handle = SaveHandle(step, target.final)
-            stats = self._saver.save(state, target, step)
+            if not use_async:
+                stats = self._saver.save(state, target, step, t_call)
+                self._stats.append(stats)
+                handle = SaveHandle(step, target.final)
+                handle._set_result(stats)
+                return handle
+            if self._writer is None:
+                self._writer = BackgroundWriter(self._comm.rank, self.timeout)
+            records = os.path.join(self.root, commit.TMP_DIR, "commit-")
+            pending = self._saver.save_async(state, target, step, records, self._writer, t_call)
+            if self.rank == 0 and self._last_records is not None:
+                # every rank finished waiting for the previous save before this one's plan
+                storage.remove_tree(self._last_records)
+            self._last_records = pending.job.records
+            handle = SaveHandle(step, target.final, driver=self._drive)
+            self._pending = (pending, handle)
+            log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
+            return handle
+
+    def _drive(self, timeout: Optional[float]) -> None:
+        self.finalize_pending_saves(timeout)
+
+    def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
+        """Wait until every save this rank started is committed, or raise its error.
+
+        Bounded by ``timeout`` (default: the manager's); past it, raises
+        :class:`~nostall.CheckpointError` and the save stays pending. Not a
+        collective: safe to call any number of times, on any subset of ranks.
+        Called automatically by ``save()``, ``load()``, ``close()`` and at exit.
+        """
+        with self._lock:
+            if self._pending is None:
+                return
+            pending, handle = self._pending
+            assert self._writer is not None
+            result = self._writer.wait(timeout)  # raises on timeout; the save stays pending
+            self._pending = None
+            try:
+                stats = self._saver.complete(pending, result, handle.path)
+            except CheckpointSaveError as e:
+                handle._set_exception(e)
+                if self.errors == "raise":
+                    raise
+                log.error("%s (errors='log': training goes on)", e)
+                return
             self._stats.append(stats)
             handle._set_result(stats)
-            return handle
 
     def load(self, state: Any, step: Optional[int] = None, *, verify: bool = True, per_rank: str = "error") -> Any:
         """Fill ``state``'s tensors in place from checkpoint ``step`` (None: latest).
 
-        Returns the restored state: the same structure, tensors filled in place,
-        JSON values and this rank's PerRank values (unwrapped) as saved. The
-        template may be sharded differently, or on another world size, than the
-        save. Not a collective call.
+        Finalizes pending saves first. Returns the restored state: the same
+        structure, tensors filled in place, JSON values and this rank's PerRank
+        values (unwrapped) as saved. The template may be sharded differently,
+        or on another world size, than the save. Not a collective call.
         """
         with self._lock:
             self._check_open()
@@ -144,14 +257,12 @@ class CheckpointManager:
                 per_rank=per_rank,
             )
 
-    def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
-        """Wait until every save this rank started is committed (none can be pending
-        in synchronous mode). Safe to call any number of times, on any subset of ranks."""
-        return None
-
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Finalize pending saves and release the manager's resources. Idempotent."""
+        """Finalize pending saves, stop the writer and release resources. Idempotent.
+
+        Raises the error of a failed pending save (after releasing everything).
+        """
         with self._lock:
             if self._closed:
                 return
@@ -159,7 +270,17 @@ class CheckpointManager:
                 self.finalize_pending_saves()
             finally:
                 self._closed = True
+                self._pending = None
+                atexit.unregister(self._at_exit)
+                if self._writer is not None:
+                    self._writer.close()
                 self._comm.close()
+
+    def _close_at_exit(self) -> None:
+        try:
+            self.close()
+        except Exception as e:
+            log.error("rank %d: while closing the checkpoint manager at exit: %s", self.rank, e)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -172,4 +293,5 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        return f"CheckpointManager({self.root!r}, rank={self.rank}/{self.world_size}, keep_last={self.keep_last})"
+        mode = "async" if self.async_save else "sync"
+        return f"CheckpointManager({self.root!r}, rank={self.rank}/{self.world_size}, {mode}, keep_last={self.keep_last})"

@@ -19,6 +19,7 @@ and joined with ``/`` (``optimizer/state/0/exp_avg``).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -188,11 +189,10 @@ class FlatState:
 
 
 def _dtensor_type() -> Optional[type]:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
+    """The DTensor class if the user's program imported it (no import of our own:
+    a state can only hold DTensors once ``torch.distributed.tensor`` is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
 
 
 def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ._boxes import box_str, cover_problem
 from .errors import InvalidStateError
-from .format import FileEntry, data_file_name, dtype_code, itemsize, layout_file, piece_name
+from ._dtypes import dtype_code
+from .format import FileEntry, data_file_name, itemsize, layout_file, piece_name
 from .model import FlatState, numel
 
 Shape = Tuple[int, ...]

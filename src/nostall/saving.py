@@ -1,26 +1,40 @@
-"""The save pipeline: state -> plan -> bytes -> files -> commit.
+"""The save pipeline: state -> plan -> staged bytes -> files -> commit.
 
-:class:`Saver` runs one synchronous save over a :class:`~nostall._comm.Comm`.
-Every phase that can fail on one rank is followed by an exchange of outcomes,
-so that every rank raises the same clear error (naming the failing rank) and
-nothing is committed unless every rank succeeded.
+:class:`Saver` runs saves over a :class:`~nostall._comm.Comm`. The first two
+phases are collective and the same for synchronous and asynchronous saves:
+
+1. flatten the state and exchange outcomes (every rank raises the same error,
+   naming the failing rank, before anything is written);
+2. plan (cached while every rank's structure is unchanged).
+
+Then a synchronous save writes the files in the trainer, exchanges outcomes
+and checksums, and rank 0 commits. An asynchronous save copies the file images
+into the staging area and hands a job to the rank's writer process; the
+commit then happens in the background without any collective (docs/protocol.md).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
 
 from ._comm import Comm
+from ._tensorbuf import byte_view, host_contiguous
+from .background import BackgroundWriter
 from .commit import Target
 from .errors import CheckpointError, CheckpointSaveError, InvalidStateError
 from .format import DEFAULT_BLOCK_SIZE, FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
 from .handles import SaveStats
-from .model import flatten
-from .planning import SavePlan, TensorPlan, build_plan, check_objects, local_meta
-from .writer import WriteResult, source_tensor, write_files
+from .model import FlatState, flatten
+from .planning import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
+from .writer import CommitJob, Crcs, JobResult, SaveJob, done_record, outcome_record, write_file_image, write_record
 
 log = logging.getLogger("nostall")
 
@@ -42,19 +56,55 @@ def _raise_failures(outcomes: Sequence[Optional[str]], what: str, step: Optional
     raise cls(f"{what} of {where} failed on rank(s) {[r for r, _ in failed]}: {details}")
 
 
+def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
+    """The local tensor holding the bytes of a planned piece."""
+    if item.per_rank:
+        return flat.per_rank_tensors[item.key]
+    return flat.tensors[item.key].data
+
+
+@dataclass
+class Prepared:
+    """A save after its collective phases: what to write, and what rank 0 commits."""
+
+    step: Optional[int]
+    save_id: str
+    flat: FlatState
+    plan: SavePlan
+    objects: Dict[str, Any]
+    per_rank_objects: List[Dict[str, Any]]
+    cached: bool
+    t0: float
+    t_plan: float
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save handed to the writer; completed by :meth:`Saver.complete`."""
+
+    prepared: Prepared
+    job: SaveJob
+    stall_s: float
+    wait_s: float
+    stage_s: float
+    t_submit: float
+    t_start: float
+
+
 class Saver:
     """Runs saves over one Comm, caching the plan while the structure is unchanged."""
 
-    def __init__(self, comm: Comm, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    def __init__(self, comm: Comm, block_size: int = DEFAULT_BLOCK_SIZE, timeout: float = 600.0) -> None:
         self.comm = comm
         self.block_size = block_size
+        self.timeout = timeout
         self._plan: Optional[SavePlan] = None
+        self.test_writer_delay_s = 0.0  # test hook: slows the background writer down
 
-    def save(self, state: Any, target: Target, step: Optional[int]) -> SaveStats:
+    # ------------------------------------------------------------------ collective phases
+    def prepare(self, state: Any, target: Target, step: Optional[int], t0: Optional[float] = None) -> Prepared:
         comm = self.comm
-        t0 = time.perf_counter()
-
-        # 1. flatten locally; rank 0 checks the destination; exchange outcomes
+        t0 = time.perf_counter() if t0 is None else t0
         state_err: Optional[str] = None
         target_err: Optional[str] = None
         flat = meta = None
@@ -71,7 +121,8 @@ class Saver:
             except (OSError, CheckpointError) as e:
                 target_err = f"cannot save to {target.final}: {_describe(e)}"
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
-        round1 = comm.all_gather((state_err, target_err, sig, objs, step))
+        save_id = uuid.uuid4().hex if comm.rank == 0 else ""
+        round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))
         _raise_failures([r[0] for r in round1], "save", step, InvalidStateError)
         _raise_failures([r[1] for r in round1], "save", step, CheckpointSaveError)
         if len({r[4] for r in round1}) > 1:
@@ -79,8 +130,6 @@ class Saver:
                 "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
             )
         assert flat is not None and meta is not None
-
-        # 2. plan (cached while every rank's structure is unchanged); same result on every rank
         sigs = tuple(r[2] for r in round1)
         cached = self._plan is not None and self._plan.signatures == sigs
         if cached:
@@ -89,40 +138,56 @@ class Saver:
             self._plan = None
             plan = build_plan(comm.all_gather(meta))
             self._plan = plan
+        assert plan is not None
         objects = check_objects([r[3][0] for r in round1])
-        per_rank_objects = [r[3][1] for r in round1]
-        t_plan = time.perf_counter()
+        return Prepared(
+            step, round1[0][5], flat, plan, objects, [r[3][1] for r in round1], cached, t0, time.perf_counter()
+        )
 
-        # 3. write this rank's files
-        result: Optional[WriteResult] = None
+    def _skeleton(self, p: Prepared) -> Manifest:
+        return manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step, self.block_size)
+
+    # ------------------------------------------------------------------ synchronous
+    def save(self, state: Any, target: Target, step: Optional[int], t_call: Optional[float] = None) -> SaveStats:
+        """A synchronous save; returns once committed (collective).
+
+        ``t_call``: when the caller's ``save()`` began (before waiting for a
+        previous save), for the stall figure.
+        """
+        comm = self.comm
+        t_start = time.perf_counter()
+        p = self.prepare(state, target, step, t_call)
+        crcs: Optional[Crcs] = None
+        nbytes = 0
         err = None
         try:
             target.open_staging()
-            result = write_files(
-                plan.files_of(comm.rank),
-                target.staging,
-                lambda item: source_tensor(flat, item),
-                comm.rank,
-                self.block_size,
-            )
+            crcs = {}
+            for fp in p.plan.files_of(comm.rank):
+                crcs.update(
+                    write_file_image(
+                        os.path.join(target.staging, fp.name), fp.header, _tensor_parts(fp, p.flat),
+                        fp.size, self.block_size, fp.name,
+                    )
+                )
+                nbytes += fp.size
         except Exception as e:
             err = f"writing into {target.staging}: {_describe(e)}"
             log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
         t_write = time.perf_counter()
-        outcomes = comm.all_gather((err, result.crcs if result else None))
+        outcomes = comm.all_gather((err, crcs))
         write_errors = [o[0] for o in outcomes]
 
-        # 4. rank 0 commits once every rank succeeded (or cleans up), then tells everyone
         commit_err: Optional[str] = None
         if comm.rank == 0:
             if any(write_errors):
                 target.abort()
             else:
                 try:
-                    manifest = build_manifest(
-                        plan, [o[1] for o in outcomes], objects, per_rank_objects, step, self.block_size
-                    )
-                    target.commit(manifest)
+                    merged: Crcs = {}
+                    for o in outcomes:
+                        merged.update(o[1])
+                    target.commit(self._skeleton(p).with_crcs(merged).to_json_bytes())
                 except Exception as e:
                     commit_err = f"commit of {target.final}: {_describe(e)}"
                     log.error("save of step %s: %s", step, commit_err)
@@ -133,53 +198,113 @@ class Saver:
             raise CheckpointSaveError(f"save of step {step} failed on rank 0: {commit_err}")
         t_end = time.perf_counter()
         stats = SaveStats(
-            step=step,
-            rank=comm.rank,
-            world_size=comm.size,
-            stall_s=t_end - t0,
-            plan_s=t_plan - t0,
-            write_s=t_write - t_plan,
-            commit_s=t_end - t_write,
-            total_s=t_end - t0,
-            bytes_written=result.nbytes if result else 0,
-            total_bytes=sum(f.size for f in plan.files.values()),
-            plan_cached=cached,
+            step=step, rank=comm.rank, world_size=comm.size, async_save=False,
+            stall_s=t_end - p.t0, wait_s=t_start - p.t0, plan_s=p.t_plan - t_start, stage_s=0.0,
+            write_s=t_write - p.t_plan,
+            commit_s=t_end - t_write, total_s=t_end - p.t0, bytes_written=nbytes,
+            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
         )
-        log.info(
-            "rank %d: saved step %s to %s: %.1f MB this rank, %.3fs (plan %.3fs%s, write %.3fs, commit %.3fs)",
-            comm.rank, step, target.final, stats.bytes_written / 1e6, stats.total_s, stats.plan_s,
-            " cached" if cached else "", stats.write_s, stats.commit_s,
+        _log_stats(stats, target.final)
+        return stats
+
+    # ------------------------------------------------------------------ asynchronous
+    def save_async(self, state: Any, target: Target, step: Optional[int], records_prefix: str,
+                   writer: BackgroundWriter, t_call: Optional[float] = None) -> PendingSave:
+        """Stage this rank's data and hand it to the writer (collective up to the plan).
+
+        The per-save records (done and outcome) go to ``records_prefix + save_id``.
+        """
+        comm = self.comm
+        t_start = time.perf_counter()
+        p = self.prepare(state, target, step, t_call)
+        records = records_prefix + p.save_id
+        writer.ensure_alive()
+        files = p.plan.files_of(comm.rank)
+        job = SaveJob(
+            save_id=p.save_id, step=step, rank=comm.rank, world_size=comm.size, staging=target.staging,
+            records=records, files=(), block_size=self.block_size, timeout=self.timeout,
+            commit=CommitJob(self._skeleton(p), target) if comm.rank == 0 else None,
+            writers=tuple(range(comm.size)), test_delay_s=self.test_writer_delay_s,
         )
+        t_stage = time.perf_counter()
+        try:
+            file_jobs = writer.area.stage(files, lambda item: source_tensor(p.flat, item))
+            job.files = file_jobs
+            writer.submit(job)
+        except Exception as e:
+            # Nothing reaches the writer: record the failure so no rank waits for us.
+            msg = f"rank {comm.rank}: staging step {step} failed: {_describe(e)}"
+            log.error("%s", msg)
+            try:
+                write_record(done_record(records, comm.rank), {"ok": False, "error": msg})
+                if comm.rank == 0:
+                    target.abort()
+                    write_record(outcome_record(records), {"ok": False, "error": msg})
+            except OSError as e2:
+                log.error("rank %d: could not record the failure: %s", comm.rank, e2)
+            raise CheckpointSaveError(msg) from e
+        t_end = time.perf_counter()
+        return PendingSave(p, job, stall_s=t_end - p.t0, wait_s=t_start - p.t0, stage_s=t_end - t_stage,
+                           t_submit=t_end, t_start=t_start)
+
+    def complete(self, pending: PendingSave, result: JobResult, final: str) -> SaveStats:
+        """Stats of a finished asynchronous save, or its error."""
+        p = pending.prepared
+        if not result.ok:
+            raise CheckpointSaveError(f"save of step {p.step} failed: {result.error}")
+        t_end = time.perf_counter()
+        stats = SaveStats(
+            step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
+            stall_s=pending.stall_s, wait_s=pending.wait_s, plan_s=p.t_plan - pending.t_start,
+            stage_s=pending.stage_s,
+            write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
+            bytes_written=result.bytes_written,
+            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+        )
+        _log_stats(stats, final)
         return stats
 
 
-def build_manifest(
-    plan: SavePlan,
-    crcs_by_rank: Sequence[Dict[Tuple[str, bool, Tuple[int, ...]], Tuple[int, ...]]],
-    objects: Dict[str, Any],
-    per_rank_objects: Sequence[Dict[str, Any]],
-    step: Optional[int],
+def _log_stats(s: SaveStats, final: str) -> None:
+    log.info(
+        "rank %d: %s step %s to %s: %.1f MB this rank, blocked %.3fs (plan %.3fs%s, stage %.3fs), "
+        "write %.3fs, commit %.3fs",
+        s.rank, "saved" if not s.async_save else "committed async save of", s.step, final,
+        s.bytes_written / 1e6, s.stall_s, s.plan_s, " cached" if s.plan_cached else "", s.stage_s,
+        s.write_s, s.commit_s,
+    )
+
+
+def _tensor_parts(fp: FilePlan, flat: FlatState) -> Iterator[Tuple[int, memoryview]]:
+    """(start, bytes) of each piece of a planned file, straight from the tensors."""
+    for item in fp.items:
+        t = host_contiguous(source_tensor(flat, item))
+        buf = byte_view(t)
+        if len(buf) != item.end - item.start:
+            raise RuntimeError(f"key {item.key!r}: tensor has {len(buf)} bytes, the plan expects {item.end - item.start}")
+        yield item.start, buf
+        del buf, t
+
+
+def manifest_skeleton(
+    plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
     block_size: int,
-) -> bytes:
-    """The manifest of a fully written plan (rank 0)."""
+) -> Manifest:
+    """The manifest of a plan, without checksums (filled in by ``Manifest.with_crcs``)."""
 
-    def record(tp: TensorPlan, per_rank: bool) -> TensorRecord:
-        pieces = []
-        for p in tp.pieces:
-            crcs = crcs_by_rank[p.owner][(tp.key, per_rank, p.offset)]
-            pieces.append(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, crcs))
-        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, tuple(pieces))
+    def record(tp: TensorPlan) -> TensorRecord:
+        pieces = tuple(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, ()) for p in tp.pieces)
+        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces)
 
-    m = Manifest(
+    return Manifest(
         step=step,
         world_size=plan.world_size,
         block_size=block_size,
         files={n: FileRecord(n, f.rank, f.size) for n, f in plan.files.items()},
-        tensors={k: record(t, False) for k, t in plan.tensors.items()},
+        tensors={k: record(t) for k, t in plan.tensors.items()},
         objects=objects,
         per_rank=tuple(
-            RankRecord({k: record(t, True) for k, t in plan.per_rank[r].items()}, dict(per_rank_objects[r]))
+            RankRecord({k: record(t) for k, t in plan.per_rank[r].items()}, dict(per_rank_objects[r]))
             for r in range(plan.world_size)
         ),
     )
-    return m.to_json_bytes()

@@ -1,75 +1,298 @@
-"""Writing one rank's data files from its planned pieces.
+"""Writing data files: in the trainer (synchronous saves) or in a background writer process.
 
-The writer knows nothing of ranks or commits: it turns a list of
-:class:`~nostall.planning.FilePlan` plus the bytes of each piece into durable
-files and returns the block checksums of every piece it wrote.
+This module does not import torch. :func:`write_file_image` turns a planned
+file (header + pieces, each a buffer) into a durable file and returns the
+block checksums of each piece. :func:`run_job` executes one background save
+job against the shared staging area, including the commit protocol's part
+that runs in the writer; :func:`main` is the writer process's loop.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
-
-import torch
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from . import storage
-from ._tensorbuf import byte_view, host_contiguous
-from .format import block_crcs
-from .model import FlatState
-from .planning import FilePlan, WriteItem
+from .format import Manifest, block_crcs
 
-PieceId = Tuple[str, bool, Tuple[int, ...]]  # (key, per_rank, global offset)
+log = logging.getLogger("nostall")
+
+Crcs = Dict[Tuple[str, int, int], Tuple[int, ...]]  # (file, start, end) -> block checksums
+
+
+def write_file_image(
+    path: str, header: bytes, parts: Iterable[Tuple[int, memoryview]], size: int, block_size: int, name: str
+) -> Crcs:
+    """Write ``header`` then each ``(start, buffer)`` part, fsync; return part checksums."""
+    crcs: Crcs = {}
+
+    def chunks() -> Iterable[memoryview]:
+        yield memoryview(header)
+        pos = len(header)
+        for start, buf in parts:
+            if start != pos:
+                raise RuntimeError(f"{path}: piece at byte {start} but the file is at byte {pos}")
+            crcs[(name, start, start + len(buf))] = tuple(block_crcs(buf, block_size))
+            yield buf
+            pos += len(buf)
+
+    n = storage.write_file(path, chunks())
+    if n != size:
+        raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {size}")
+    return crcs
+
+
+# --------------------------------------------------------------------------- background jobs
 
 
 @dataclass
-class WriteResult:
-    """What one rank wrote: block checksums of each piece, bytes."""
+class FileJob:
+    """One file of a background save: where its image lies in the staging area."""
 
+    name: str
+    area_offset: int
+    size: int
+    header_size: int
+    pieces: Tuple[Tuple[int, int], ...]  # (start, end) within the file, in order
+
+
+@dataclass
+class CommitJob:
+    """What rank 0's writer needs to commit: the manifest without checksums, and the target."""
+
+    manifest: Manifest
+    target: Any  # a commit.Target (picklable, torch-free)
+
+
+@dataclass
+class SaveJob:
+    save_id: str
+    step: Optional[int]
     rank: int
-    crcs: Dict[PieceId, Tuple[int, ...]]
-    nbytes: int
+    world_size: int
+    staging: str  # the staging directory of the data files
+    records: str  # directory of the per-rank done records and the outcome record
+    files: Tuple[FileJob, ...]
+    block_size: int
+    timeout: float
+    commit: Optional[CommitJob] = None  # rank 0 only
+    writers: Tuple[int, ...] = ()  # ranks whose done record rank 0 waits for
+    test_delay_s: float = 0.0
 
 
-def piece_id(item: WriteItem) -> PieceId:
-    return (item.key, item.per_rank, item.offset)
+@dataclass
+class JobResult:
+    save_id: str
+    ok: bool
+    error: Optional[str] = None
+    write_s: float = 0.0
+    commit_s: float = 0.0
+    bytes_written: int = 0
+    timings: Dict[str, float] = field(default_factory=dict)
 
 
-def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
-    """The local tensor holding the bytes of a planned piece."""
-    if item.per_rank:
-        return flat.per_rank_tensors[item.key]
-    return flat.tensors[item.key].data
+def done_record(records: str, rank: int) -> str:
+    return os.path.join(records, f"rank{rank}.json")
 
 
-def write_files(
-    files: Sequence[FilePlan],
-    directory: str,
-    source: Callable[[WriteItem], torch.Tensor],
-    rank: int,
-    block_size: int,
-) -> WriteResult:
-    """Write ``files`` into ``directory``, fsync each, return piece checksums."""
-    crcs: Dict[PieceId, Tuple[int, ...]] = {}
-    total = 0
-    for fp in files:
+def outcome_record(records: str) -> str:
+    return os.path.join(records, "outcome.json")
 
-        def chunks(fp: FilePlan = fp) -> Iterator[memoryview]:
-            yield memoryview(fp.header)
-            for item in fp.items:
-                t = host_contiguous(source(item))
-                buf = byte_view(t)
-                if len(buf) != item.end - item.start:
-                    raise RuntimeError(
-                        f"key {item.key!r}: tensor has {len(buf)} bytes, the plan expects {item.end - item.start}"
+
+def write_record(path: str, doc: Dict[str, Any]) -> None:
+    """Publish a small JSON record atomically (readers never see half of it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    storage.atomic_write(path, json.dumps(doc, sort_keys=True).encode())
+
+
+def read_record(path: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def _poll(deadline: float, what: str, check: Any) -> Any:
+    """Call ``check`` until it returns non-None; bounded by ``deadline``."""
+    delay = 0.005
+    while True:
+        v = check()
+        if v is not None:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def run_job(job: SaveJob, area: memoryview) -> JobResult:
+    """Write this rank's files from the staging area, then take part in the commit."""
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + job.timeout
+    res = JobResult(job.save_id, ok=False)
+    crcs: Crcs = {}
+    try:
+        if job.test_delay_s:
+            time.sleep(job.test_delay_s)
+        os.makedirs(job.staging, exist_ok=True)
+        for f in job.files:
+            header = bytes(area[f.area_offset : f.area_offset + f.header_size])
+            parts = [(s, area[f.area_offset + s : f.area_offset + e]) for s, e in f.pieces]
+            crcs.update(
+                write_file_image(os.path.join(job.staging, f.name), header, parts, f.size, job.block_size, f.name)
+            )
+            res.bytes_written += f.size
+        mine: Dict[str, Any] = {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in crcs.items()]}
+    except Exception as e:
+        mine = {"ok": False, "error": f"rank {job.rank}: {_describe(e)}"}
+    res.write_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    try:
+        write_record(done_record(job.records, job.rank), mine)
+        if job.commit is not None:
+            outcome = _commit(job, deadline)
+            write_record(outcome_record(job.records), outcome)
+        else:
+            outcome = _poll(deadline, f"rank 0 to commit step {job.step}", lambda: read_record(outcome_record(job.records)))
+    except Exception as e:
+        outcome = {"ok": False, "error": f"rank {job.rank}: {_describe(e)}"}
+    res.commit_s = time.perf_counter() - t1
+    res.ok = bool(outcome.get("ok"))
+    if not res.ok:
+        res.error = outcome.get("error") or "unknown error"
+        if not mine.get("ok") and mine.get("error") not in res.error:
+            res.error = f"{mine['error']}; {res.error}"
+    return res
+
+
+def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
+    """Rank 0: wait for every writer's done record, then commit (or abort)."""
+    assert job.commit is not None
+    target = job.commit.target
+    pending = set(job.writers)
+    crcs: Crcs = {}
+    failures: List[str] = []
+    try:
+        while pending:
+            for r in sorted(pending):
+                rec = read_record(done_record(job.records, r))
+                if rec is None:
+                    continue
+                pending.discard(r)
+                if rec.get("ok"):
+                    for n, s, e, c in rec["crcs"]:
+                        crcs[(n, int(s), int(e))] = tuple(c)
+                else:
+                    failures.append(str(rec.get("error")))
+            if pending:
+                if failures:
+                    break  # no need to wait for the rest: this save cannot commit
+                if time.monotonic() > deadline:
+                    failures.append(
+                        f"rank(s) {sorted(pending)} did not finish writing within {job.timeout:.0f}s"
                     )
-                crcs[piece_id(item)] = tuple(block_crcs(buf, block_size))
-                yield buf
-                del buf, t
+                    break
+                time.sleep(0.01)
+        if failures:
+            target.abort()
+            return {"ok": False, "error": f"save of step {job.step} failed: " + "; ".join(failures)}
+        manifest = job.commit.manifest.with_crcs(crcs).to_json_bytes()
+        target.commit(manifest)
+        return {"ok": True}
+    except Exception as e:
+        try:
+            target.abort()
+        except Exception:
+            pass
+        return {"ok": False, "error": f"rank 0: commit of step {job.step} failed: {_describe(e)}"}
 
-        path = os.path.join(directory, fp.name)
-        n = storage.write_file(path, chunks())
-        if n != fp.size:
-            raise RuntimeError(f"{path}: wrote {n} bytes, planned {fp.size}")
-        total += n
-    return WriteResult(rank, crcs, total)
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, (OSError, TimeoutError)):
+        return f"{type(e).__name__}: {e}"
+    return f"{type(e).__name__}: {e} ({traceback.format_exc(limit=3).strip().splitlines()[-1]})"
+
+
+# --------------------------------------------------------------------------- the process
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        try:  # ioprio_set(IOPRIO_WHO_PROCESS, 0, best-effort class, level 7)
+            import ctypes
+            import platform
+
+            nr = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}.get(platform.machine())
+            if nr is not None:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall(nr, 1, 0, (2 << 13) | 7)
+        except Exception:
+            pass
+
+
+def main(fd: int) -> int:
+    """The writer process: serve jobs from the trainer over the socket ``fd``."""
+    import mmap
+    import signal
+    import socket
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import recvfds
+
+    # The trainer decides when we stop: Ctrl-C / SIGTERM sent to the whole
+    # process group must not kill a write half-way; the trainer drains us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _lower_priority()
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    area: Optional[mmap.mmap] = None
+    view: Optional[memoryview] = None
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return 0  # the trainer is gone
+            op = msg[0]
+            if op == "stop":
+                conn.send(("stopped",))
+                return 0
+            if op == "attach":
+                size = msg[1]
+                (afd,) = recvfds(sock, 1)
+                if view is not None:
+                    view.release()
+                if area is not None:
+                    area.close()
+                area = mmap.mmap(afd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                os.close(afd)
+                view = memoryview(area)
+                conn.send(("attached", size))
+            elif op == "save":
+                job: SaveJob = msg[1]
+                if view is None:
+                    result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
+                else:
+                    result = run_job(job, view)
+                conn.send(("result", result))
+            elif op == "ping":
+                conn.send(("pong", os.getpid()))
+    finally:
+        if view is not None:
+            view.release()
+        if area is not None:
+            area.close()
+        conn.close()
+        sock.close()
+
