@@ -19,9 +19,10 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import CheckpointError
+from .format import MANIFEST_NAME
 from .staging import StagingArea
 from .writer import JobResult, SaveJob, done_record, outcome_record, read_record, write_record
 
@@ -35,6 +36,31 @@ _WRITER_MAIN = "import sys; from nostall.writer import main; sys.exit(main(int(s
 
 class WriterDied(CheckpointError):
     pass
+
+
+def _was_committed(job: SaveJob) -> bool:
+    """Did rank 0's writer pass the commit point of ``job`` before dying?
+
+    True only if the checkpoint in place holds exactly the manifest this job
+    would have written (so an older checkpoint of the same step does not count).
+    """
+    assert job.commit is not None
+    path = os.path.join(job.commit.target.final, MANIFEST_NAME)
+    if not os.path.exists(path):
+        return False
+    crcs: Dict[Tuple[str, int, int], Tuple[int, ...]] = {}
+    for r in job.writers:
+        rec = read_record(done_record(job.records, r))
+        if not rec or not rec.get("ok"):
+            return False
+        for n, s, e, c in rec["crcs"]:
+            crcs[(n, int(s), int(e))] = tuple(c)
+    try:
+        expected = job.commit.manifest.with_crcs(crcs).to_json_bytes()
+        with open(path, "rb") as f:
+            return f.read() == expected
+    except (OSError, ValueError):
+        return False
 
 
 class BackgroundWriter:
@@ -170,11 +196,12 @@ class BackgroundWriter:
             if job.commit is not None:
                 outcome = read_record(outcome_record(job.records))
                 if outcome is None:
-                    if os.path.isdir(job.staging):  # not renamed: not committed
+                    if _was_committed(job):  # died after the commit point
+                        job.commit.target.after_commit()
+                        outcome = {"ok": True}
+                    else:
                         job.commit.target.abort()
                         outcome = {"ok": False, "error": f"save of step {job.step} failed: {why}"}
-                    else:  # died after the commit point
-                        outcome = {"ok": True}
                     write_record(outcome_record(job.records), outcome)
             else:
                 deadline = time.monotonic() + self.timeout

@@ -178,8 +178,16 @@ class Target:
         os.makedirs(self.staging, exist_ok=True)
 
     def commit(self, manifest: bytes) -> None:
-        """Rank 0, after every rank's data is durable."""
+        """Rank 0, after every rank's data is durable: publish, then the follow-ups."""
+        self.publish(manifest)
+        self.after_commit()
+
+    def publish(self, manifest: bytes) -> None:
+        """Write the manifest and move the checkpoint into place (the commit point)."""
         raise NotImplementedError
+
+    def after_commit(self) -> None:
+        """Best-effort follow-ups of a commit (pointer, retention); never raises."""
 
     def abort(self) -> None:
         """Rank 0, after a failure: remove the staging directory."""
@@ -210,8 +218,10 @@ class StepTarget(Target):
         os.makedirs(self.root, exist_ok=True)
         remove_stale_staging(self.root, self.step)
 
-    def commit(self, manifest: bytes) -> None:
+    def publish(self, manifest: bytes) -> None:
         publish(self.staging, self.final, manifest, _trash_path(self.root))
+
+    def after_commit(self) -> None:
         newest = committed_steps(self.root)
         try:
             update_latest(self.root, newest[-1] if newest else self.step)
@@ -240,6 +250,6 @@ class PathTarget(Target):
         if os.path.exists(self.staging):
             storage.remove_tree(self.staging)
 
-    def commit(self, manifest: bytes) -> None:
+    def publish(self, manifest: bytes) -> None:
         parent, name = os.path.split(self.final)
         publish(self.staging, self.final, manifest, os.path.join(parent, f".{name}.nostall-old-{uuid.uuid4().hex}"))

@@ -100,6 +100,7 @@ class Saver:
         self.timeout = timeout
         self._plan: Optional[SavePlan] = None
         self.test_writer_delay_s = 0.0  # test hook: slows the background writer down
+        self.test_writer_fault: Optional[str] = None  # test hook: see SaveJob.test_fault
 
     # ------------------------------------------------------------------ collective phases
     def prepare(self, state: Any, target: Target, step: Optional[int], t0: Optional[float] = None) -> Prepared:
@@ -225,6 +226,7 @@ class Saver:
             records=records, files=(), block_size=self.block_size, timeout=self.timeout,
             commit=CommitJob(self._skeleton(p), target) if comm.rank == 0 else None,
             writers=tuple(range(comm.size)), test_delay_s=self.test_writer_delay_s,
+            test_fault=self.test_writer_fault,
         )
         t_stage = time.perf_counter()
         try:

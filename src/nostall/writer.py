@@ -9,6 +9,7 @@ that runs in the writer; :func:`main` is the writer process's loop.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -83,7 +84,8 @@ class SaveJob:
     timeout: float
     commit: Optional[CommitJob] = None  # rank 0 only
     writers: Tuple[int, ...] = ()  # ranks whose done record rank 0 waits for
-    test_delay_s: float = 0.0
+    test_delay_s: float = 0.0  # test hook: sleep before writing
+    test_fault: Optional[str] = None  # test hook: "enospc" fails the write like a full disk
 
 
 @dataclass
@@ -141,6 +143,8 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     try:
         if job.test_delay_s:
             time.sleep(job.test_delay_s)
+        if job.test_fault == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device (test fault)", job.staging)
         os.makedirs(job.staging, exist_ok=True)
         for f in job.files:
             header = bytes(area[f.area_offset : f.area_offset + f.header_size])
