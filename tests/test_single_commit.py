@@ -80,10 +80,14 @@ def test_keep_last_none_keeps_everything(tmp_path: Path) -> None:
     for s in (0, 10, 2):
         mgr.save(s, state_for(s))
     assert mgr.steps() == [0, 2, 10]
+    # a lower step saved after a higher one (resumed from an older checkpoint):
+    # latest names the step saved last, so a restart continues this timeline
+    assert mgr.latest_step() == 2
+    assert (tmp_path / "latest").read_text().strip() == "2"
+    assert_is_step(mgr.load(template()), 2)
+    # without a valid pointer, the highest committed step is latest
+    (tmp_path / "latest").write_text("7\n")
     assert mgr.latest_step() == 10
-    # latest names the newest committed step, not the last one saved
-    assert (tmp_path / "latest").read_text().strip() == "10"
-    assert_is_step(mgr.load(template()), 10)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "2"])
@@ -144,7 +148,12 @@ def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     trash.mkdir()
     (trash / "x").write_bytes(b"x")
     assert mgr.steps() == [5]  # a staging dir never counts
-    nostall.CheckpointManager(tmp_path)
+    # a second manager while the first is open must not touch its files
+    other = nostall.CheckpointManager(tmp_path)
+    assert left.exists() and trash.exists()
+    other.close()
+    mgr.close()
+    nostall.CheckpointManager(tmp_path).close()
     assert not left.exists()
     assert not trash.exists()
     assert (tmp_path / "step_5" / "manifest.json").is_file()
@@ -158,9 +167,11 @@ def test_resaving_a_step_replaces_it(tmp_path: Path) -> None:
     mgr.save(3, state_for(30))
     assert mgr.steps() == [3, 4]
     assert_is_step(mgr.load(template(), step=3), 30)
-    assert_is_step(mgr.load(template()), 4)
-    assert (tmp_path / "latest").read_text().strip() == "4"
-    assert os.listdir(tmp_path / ".tmp") == []  # the replaced copy is gone
+    assert_is_step(mgr.load(template(), step=4), 4)
+    # saving step 3 after step 4 means training went back to step 3: it is latest
+    assert_is_step(mgr.load(template()), 30)
+    assert (tmp_path / "latest").read_text().strip() == "3"
+    assert [n for n in os.listdir(tmp_path / ".tmp") if n != ".lock"] == []  # the replaced copy is gone
 
 
 def test_resave_with_different_structure_drops_old_files(tmp_path: Path) -> None:
@@ -263,7 +274,7 @@ def test_enospc_fails_the_save_and_keeps_previous(tmp_path: Path, monkeypatch: p
 
     assert not (tmp_path / "step_2").exists()
     assert not (tmp_path / ".tmp" / "step_2").exists()
-    assert os.listdir(tmp_path / ".tmp") == []
+    assert [n for n in os.listdir(tmp_path / ".tmp") if n != ".lock"] == []
     assert mgr.steps() == [1] and mgr.latest_step() == 1
     assert (tmp_path / "latest").read_text().strip() == "1"
     assert (tmp_path / "step_1" / "manifest.json").read_bytes() == before
@@ -302,7 +313,7 @@ def test_failing_manifest_write_commits_nothing(tmp_path: Path, monkeypatch: pyt
     monkeypatch.undo()
     assert mgr.steps() == [1]
     assert not (tmp_path / "step_2").exists()
-    assert os.listdir(tmp_path / ".tmp") == []
+    assert [n for n in os.listdir(tmp_path / ".tmp") if n != ".lock"] == []
     assert (tmp_path / "latest").read_text().strip() == "1"
     assert_is_step(mgr.load(template()), 1)
 

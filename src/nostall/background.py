@@ -166,6 +166,10 @@ class BackgroundWriter:
         self._conn.send(("save", job))
         self.job = job
 
+    def ready(self) -> bool:
+        """True when the writer is alive and has sent something (never blocks)."""
+        return self.alive() and self._conn is not None and self._conn.poll(0)
+
     def wait(self, timeout: Optional[float]) -> JobResult:
         """The outcome of the job in flight (bounded); the job is then no longer in flight.
 
@@ -197,7 +201,7 @@ class BackgroundWriter:
                 outcome = read_record(outcome_record(job.records))
                 if outcome is None:
                     if _was_committed(job):  # died after the commit point
-                        job.commit.target.after_commit()
+                        job.commit.target.point_latest()
                         outcome = {"ok": True}
                     else:
                         job.commit.target.abort()
@@ -206,10 +210,12 @@ class BackgroundWriter:
             else:
                 deadline = time.monotonic() + self.timeout
                 outcome = None
+                delay = 0.01
                 while outcome is None and time.monotonic() < deadline:
                     outcome = read_record(outcome_record(job.records))
                     if outcome is None:
-                        time.sleep(0.05)
+                        time.sleep(delay)
+                        delay = min(delay * 2, 0.5)
                 if outcome is None:
                     outcome = {"ok": False, "error": f"{why}; rank 0 did not record an outcome either"}
             if outcome.get("ok"):

@@ -21,11 +21,15 @@ manifest, so a crash at any point leaves the previous checkpoint loadable.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import logging
 import os
 import re
+import sys
 import uuid
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
 from . import storage
 from .errors import CheckpointSaveError
@@ -65,12 +69,23 @@ def committed_steps(root: str) -> List[int]:
 
 
 def read_latest_pointer(root: str) -> Optional[int]:
-    """The step named by ``<root>/latest`` (informational; the scan is the truth)."""
+    """The step named by ``<root>/latest``, or None when absent or unreadable."""
     try:
         with open(os.path.join(root, LATEST)) as f:
             return int(f.read().strip())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):
         return None
+
+
+def latest_step(root: str) -> Optional[int]:
+    """The newest committed step: the ``latest`` pointer when it names a committed
+    checkpoint (after a rollback it may be lower than the highest step on disk),
+    else the highest committed step (the pointer may lag a crash by one commit)."""
+    pointed = read_latest_pointer(root)
+    if pointed is not None and is_committed(step_dir(root, pointed)):
+        return pointed
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
 
 
 def remove_stale_staging(root: str, step: int) -> None:
@@ -81,25 +96,65 @@ def remove_stale_staging(root: str, step: int) -> None:
         storage.remove_tree(path)
 
 
-def publish(staging: str, final: str, manifest: bytes, trash: str) -> None:
-    """Rank 0: write the manifest last, then rename into place (the commit point).
+def _rename_exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
 
-    An existing ``final`` is first moved to ``trash`` and deleted afterwards.
+
+def check_files(staging: str, files: Mapping[str, int]) -> None:
+    """Every planned data file is in the staging directory with its planned size."""
+    for name, size in files.items():
+        path = os.path.join(staging, name)
+        try:
+            got = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CheckpointSaveError(f"{path} is missing at commit time") from None
+        if got != size:
+            raise CheckpointSaveError(f"{path} has {got} bytes at commit time, {size} planned")
+
+
+def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int], trash: str) -> None:
+    """Rank 0: check the data files, write the manifest last, move into place.
+
+    The rename is the commit point: errors before it raise (nothing is
+    visible), errors after it are only logged (the checkpoint is committed).
+    An existing ``final`` is swapped out atomically where the OS can
+    (``RENAME_EXCHANGE``), otherwise moved to ``trash`` just before the rename.
     """
+    check_files(staging, files)
     storage.write_file(os.path.join(staging, MANIFEST_NAME), [memoryview(manifest)])
     storage.fsync_dir(staging)
     parent = os.path.dirname(os.path.abspath(final))
     old = None
     if os.path.exists(final):
-        # Re-saving a step: move the old one out of the way first. Between the
-        # two renames the step is absent; older checkpoints stay loadable.
-        old = trash
-        os.makedirs(os.path.dirname(old), exist_ok=True)
-        os.rename(final, old)
-    os.rename(staging, final)
-    storage.fsync_dir(parent)
-    if old is not None:
-        storage.remove_tree(old)
+        if _rename_exchange(staging, final):
+            old = staging  # now holds the previous checkpoint
+        else:
+            old = trash
+            os.makedirs(os.path.dirname(old), exist_ok=True)
+            os.rename(final, old)
+            os.rename(staging, final)
+    else:
+        os.rename(staging, final)
+    try:  # past the commit point
+        storage.fsync_dir(parent)
+        if old is not None:
+            storage.remove_tree(old)
+    except OSError as e:
+        log.warning("%s is committed, but a follow-up failed: %s", final, e)
 
 
 def _trash_path(root: str) -> str:
@@ -151,6 +206,8 @@ def clean_leftovers(root: str) -> None:
     except FileNotFoundError:
         return
     for n in names:
+        if n == RootLock.NAME:
+            continue
         log.info("removing leftover %s from an interrupted save", os.path.join(tmp, n))
         storage.remove_tree(os.path.join(tmp, n))
 
@@ -164,7 +221,10 @@ def check_root(root: str) -> None:
 
 
 class Target:
-    """Where one save goes: a staging directory, and how rank 0 commits it."""
+    """Where one save goes: a staging directory, and how rank 0 commits it.
+
+    Targets are plain picklable objects (they travel to the writer process).
+    """
 
     staging: str
     final: str
@@ -177,17 +237,15 @@ class Target:
         """Every rank, once the plan is valid: make sure the staging directory exists."""
         os.makedirs(self.staging, exist_ok=True)
 
-    def commit(self, manifest: bytes) -> None:
-        """Rank 0, after every rank's data is durable: publish, then the follow-ups."""
-        self.publish(manifest)
-        self.after_commit()
-
-    def publish(self, manifest: bytes) -> None:
-        """Write the manifest and move the checkpoint into place (the commit point)."""
+    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
+        """Rank 0, once every rank's data is durable: the commit (see :func:`publish`)."""
         raise NotImplementedError
 
-    def after_commit(self) -> None:
-        """Best-effort follow-ups of a commit (pointer, retention); never raises."""
+    def point_latest(self) -> None:
+        """Rank 0, right after the commit point: move the ``latest`` pointer. Never raises."""
+
+    def retain(self) -> None:
+        """Rank 0, after the outcome is published: retention. Never raises."""
 
     def abort(self) -> None:
         """Rank 0, after a failure: remove the staging directory."""
@@ -204,7 +262,7 @@ class NoTarget(Target):
 
 
 class StepTarget(Target):
-    """``<root>/step_<N>`` of a manager: commit, then ``latest``, then retention."""
+    """``<root>/step_<N>`` of a manager: commit, ``latest``, then retention."""
 
     def __init__(self, root: str, step: int, keep_last: Optional[int]) -> None:
         self.root = root
@@ -218,15 +276,24 @@ class StepTarget(Target):
         os.makedirs(self.root, exist_ok=True)
         remove_stale_staging(self.root, self.step)
 
-    def publish(self, manifest: bytes) -> None:
-        publish(self.staging, self.final, manifest, _trash_path(self.root))
+    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
+        publish(self.staging, self.final, manifest, files, _trash_path(self.root))
+        self.point_latest()
 
-    def after_commit(self) -> None:
-        newest = committed_steps(self.root)
+    def point_latest(self) -> None:
         try:
-            update_latest(self.root, newest[-1] if newest else self.step)
-        except OSError as e:  # committed; readers scan step_<N> directories anyway
+            above = [s for s in committed_steps(self.root) if s > self.step]
+            if above:
+                log.warning(
+                    "committed step %d while step(s) %s from an earlier run exist under %s; `latest` now "
+                    "names %d, and those steps are replaced as training reaches them",
+                    self.step, above, self.root, self.step,
+                )
+            update_latest(self.root, self.step)
+        except OSError as e:  # committed; latest_step() falls back to scanning
             log.warning("step %d is committed but updating %s failed: %s", self.step, LATEST, e)
+
+    def retain(self) -> None:
         try:
             apply_retention(self.root, self.keep_last, self.step)
         except OSError as e:  # the checkpoint is committed; retention is best effort
@@ -250,6 +317,31 @@ class PathTarget(Target):
         if os.path.exists(self.staging):
             storage.remove_tree(self.staging)
 
-    def publish(self, manifest: bytes) -> None:
+    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
         parent, name = os.path.split(self.final)
-        publish(self.staging, self.final, manifest, os.path.join(parent, f".{name}.nostall-old-{uuid.uuid4().hex}"))
+        publish(self.staging, self.final, manifest, files, os.path.join(parent, f".{name}.nostall-old-{uuid.uuid4().hex}"))
+
+
+class RootLock:
+    """Rank 0's claim on a run root for a manager's lifetime (``<root>/.tmp/.lock``).
+
+    Only the holder cleans up leftovers, so a second manager on the same root
+    (an evaluation job that only loads, say) never deletes a save in progress.
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, root: str) -> None:
+        os.makedirs(os.path.join(root, TMP_DIR), exist_ok=True)
+        self.path = os.path.join(root, TMP_DIR, self.NAME)
+        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.held = True
+        except OSError:
+            self.held = False
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # releases the flock
+            self.fd = None

@@ -53,10 +53,20 @@ class SaveStats:
 class SaveHandle:
     """The outcome of one ``save()``, in the manner of ``concurrent.futures.Future``."""
 
-    def __init__(self, step: Optional[int], path: str, driver: Optional[Callable[[Optional[float]], None]] = None) -> None:
+    def __init__(
+        self,
+        step: Optional[int],
+        path: str,
+        driver: Optional[Callable[[Optional[float]], None]] = None,
+        peek: Optional[Callable[[], None]] = None,
+        reported: Optional[Callable[[BaseException], None]] = None,
+    ) -> None:
         self.step = step
         self.path = path
-        self._driver = driver  # waits (bounded) for the save to settle; set for async saves
+        # async saves: wait (bounded) for the outcome / look without waiting / error seen by the caller
+        self._driver = driver
+        self._peek = peek
+        self._reported = reported
         self._done = threading.Event()
         self._stats: Optional[SaveStats] = None
         self._error: Optional[BaseException] = None
@@ -76,17 +86,14 @@ class SaveHandle:
             try:
                 self._driver(timeout)
             except CheckpointError:
-                pass  # recorded on the handle, or still pending (checked below)
+                pass  # still pending (checked below)
         if not self._done.wait(0 if self._driver is not None else timeout):
             raise CheckpointError(f"save of step {self.step} not finished within {timeout}s")
 
     def done(self) -> bool:
-        """True once the checkpoint is committed or the save failed (never blocks long)."""
-        if not self._done.is_set() and self._driver is not None:
-            try:
-                self._driver(0)
-            except CheckpointError:
-                pass
+        """True once the checkpoint is committed or the save failed. Never blocks."""
+        if not self._done.is_set() and self._peek is not None:
+            self._peek()
         return self._done.is_set()
 
     def result(self, timeout: Optional[float] = None) -> SaveStats:
@@ -94,6 +101,8 @@ class SaveHandle:
         return the stats, or raise the save's error."""
         self._settle(timeout)
         if self._error is not None:
+            if self._reported is not None:
+                self._reported(self._error)
             raise self._error
         assert self._stats is not None
         return self._stats
@@ -109,5 +118,5 @@ class SaveHandle:
         return self._stats
 
     def __repr__(self) -> str:
-        state = "pending" if not self.done() else ("failed" if self._error else "committed")
+        state = "pending" if not self._done.is_set() else ("failed" if self._error else "committed")
         return f"SaveHandle(step={self.step}, path={self.path!r}, {state})"

@@ -212,7 +212,13 @@ def load_state(
             return v
         if kind == "object":
             if key not in m.objects:
-                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
+                under = [k for k in m.tensors if k.startswith(key + "/")] if key else []
+                hint = (
+                    f"; the checkpoint holds tensors under it (e.g. {under[0]!r}): give the template the same "
+                    "structure (for an optimizer, create its state before loading, e.g. zeros or one step)"
+                    if under else ""
+                )
+                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}{hint}")
             return m.objects[key]
         return _restore_per_rank(key, v)
 

@@ -87,6 +87,8 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._closed = False
         self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
+        self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
+        self._root_lock: Optional[commit.RootLock] = None
         self._last_records: Optional[str] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
@@ -96,10 +98,19 @@ class CheckpointManager:
             if self._comm.rank == 0:
                 commit.check_root(self.root)
                 os.makedirs(self.root, exist_ok=True)
-                commit.clean_leftovers(self.root)
+                self._root_lock = commit.RootLock(self.root)
+                if self._root_lock.held:
+                    commit.clean_leftovers(self.root)
+                else:
+                    log.warning(
+                        "another CheckpointManager holds %s; leaving its in-progress files alone "
+                        "(two managers must not save to one root at the same time)", self.root,
+                    )
             if self.async_save:
                 self._writer = BackgroundWriter(self._comm.rank, self.timeout)
         except BaseException:
+            if self._root_lock is not None:
+                self._root_lock.release()
             self._comm.close()
             raise
         ref = weakref.ref(self)
@@ -139,9 +150,12 @@ class CheckpointManager:
         return commit.committed_steps(self.root)
 
     def latest_step(self) -> Optional[int]:
-        """The newest committed step, or None. A pending save is not counted."""
-        steps = self.steps()
-        return steps[-1] if steps else None
+        """The newest committed step, or None. A pending save is not counted.
+
+        Normally the highest step; after resuming from an older step and saving,
+        the step saved last (``latest`` names it).
+        """
+        return commit.latest_step(self.root)
 
     def stats(self) -> List[SaveStats]:
         """Stats of this manager's committed saves, oldest first."""
@@ -199,13 +213,58 @@ class CheckpointManager:
                 # every rank finished waiting for the previous save before this one's plan
                 storage.remove_tree(self._last_records)
             self._last_records = pending.job.records
-            handle = SaveHandle(step, target.final, driver=self._drive)
+            handle = SaveHandle(step, target.final, driver=self._drive, peek=self._peek, reported=self._reported)
             self._pending = (pending, handle)
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
 
+    def _settle(self, timeout: Optional[float]) -> None:
+        """Wait (bounded) for the pending save's outcome and record it on its handle.
+
+        A failure is kept in ``_unraised`` until ``finalize_pending_saves``
+        reports it, however the outcome was observed.
+        """
+        if self._pending is None:
+            return
+        pending, handle = self._pending
+        if pending.failed is not None:
+            result = pending.failed
+        else:
+            assert self._writer is not None
+            result = self._writer.wait(timeout)  # raises on timeout; the save stays pending
+        self._pending = None
+        try:
+            stats = self._saver.complete(pending, result, handle.path)
+        except CheckpointSaveError as e:
+            handle._set_exception(e)
+            self._unraised = e
+            return
+        self._stats.append(stats)
+        handle._set_result(stats)
+
     def _drive(self, timeout: Optional[float]) -> None:
-        self.finalize_pending_saves(timeout)
+        """SaveHandle.result()/exception(): settle, without raising here."""
+        with self._lock:
+            self._settle(timeout)
+
+    def _peek(self) -> None:
+        """SaveHandle.done(): settle only if the outcome is already there; never blocks."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._pending is None:
+                return
+            pending, _ = self._pending
+            if pending.failed is not None or (self._writer is not None and self._writer.ready()):
+                self._settle(None)
+        finally:
+            self._lock.release()
+
+    def _reported(self, error: BaseException) -> None:
+        """SaveHandle.result() raised ``error`` to the caller: no need to raise it again."""
+        with self._lock:
+            if self._unraised is error:
+                self._unraised = None
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait until every save this rank started is committed, or raise its error.
@@ -214,24 +273,15 @@ class CheckpointManager:
         :class:`~nostall.CheckpointError` and the save stays pending. Not a
         collective: safe to call any number of times, on any subset of ranks.
         Called automatically by ``save()``, ``load()``, ``close()`` and at exit.
+        A failed save is raised once (or logged, with ``errors="log"``).
         """
         with self._lock:
-            if self._pending is None:
-                return
-            pending, handle = self._pending
-            assert self._writer is not None
-            result = self._writer.wait(timeout)  # raises on timeout; the save stays pending
-            self._pending = None
-            try:
-                stats = self._saver.complete(pending, result, handle.path)
-            except CheckpointSaveError as e:
-                handle._set_exception(e)
+            self._settle(timeout)
+            if self._unraised is not None:
+                e, self._unraised = self._unraised, None
                 if self.errors == "raise":
-                    raise
+                    raise e
                 log.error("%s (errors='log': training goes on)", e)
-                return
-            self._stats.append(stats)
-            handle._set_result(stats)
 
     def load(self, state: Any, step: Optional[int] = None, *, verify: bool = True, per_rank: str = "error") -> Any:
         """Fill ``state``'s tensors in place from checkpoint ``step`` (None: latest).
@@ -274,6 +324,8 @@ class CheckpointManager:
                 atexit.unregister(self._at_exit)
                 if self._writer is not None:
                     self._writer.close()
+                if self._root_lock is not None:
+                    self._root_lock.release()
                 self._comm.close()
 
     def _close_at_exit(self) -> None:

@@ -131,6 +131,9 @@ class SavePlan:
                 self._by_rank.setdefault(f.rank, []).append(f)
         return self._by_rank.get(rank, [])
 
+    def file_sizes(self) -> Dict[str, int]:
+        return {n: f.size for n, f in self.files.items()}
+
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes_per_rank)
@@ -170,6 +173,8 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
         headers[key] = (t0.dtype, t0.global_shape, t0.sharded)
         boxes: Dict[Tuple[Shape, Shape], List[Tuple[int, bool]]] = {}
         for r, t in entries:
+            if t.sharded and numel(t.shape) == 0:
+                continue  # an empty shard (FSDP2 with more ranks than rows): nothing to store
             boxes.setdefault((t.offset, t.shape), []).append((r, t.main))
         if t0.sharded:
             for (off, shp), holders in boxes.items():
@@ -252,7 +257,7 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
         w = placed[(r, key, False, off)]
         grouped.setdefault(key, []).append(PiecePlan(off, shp, r, w.file, w.start, w.end))
     for key, (dtype, gshape, sharded) in headers.items():
-        tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped[key]))
+        tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped.get(key, ())))
     per_rank: List[Dict[str, TensorPlan]] = []
     for r, m in enumerate(metas):
         d = {}

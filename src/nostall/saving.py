@@ -89,12 +89,15 @@ class PendingSave:
     stage_s: float
     t_submit: float
     t_start: float
+    failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
 
 
 class Saver:
     """Runs saves over one Comm, caching the plan while the structure is unchanged."""
 
     def __init__(self, comm: Comm, block_size: int = DEFAULT_BLOCK_SIZE, timeout: float = 600.0) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {block_size!r}")
         self.comm = comm
         self.block_size = block_size
         self.timeout = timeout
@@ -116,6 +119,8 @@ class Saver:
             sig = meta.signature()
         except InvalidStateError as e:
             state_err = str(e)
+        except Exception as e:  # anything else must reach the other ranks too
+            state_err = f"unexpected error while inspecting the state: {_describe(e)}"
         if state_err is None and comm.rank == 0:
             try:
                 target.prepare()
@@ -188,12 +193,14 @@ class Saver:
                     merged: Crcs = {}
                     for o in outcomes:
                         merged.update(o[1])
-                    target.commit(self._skeleton(p).with_crcs(merged).to_json_bytes())
+                    target.publish(self._skeleton(p).with_crcs(merged).to_json_bytes(), p.plan.file_sizes())
                 except Exception as e:
                     commit_err = f"commit of {target.final}: {_describe(e)}"
                     log.error("save of step %s: %s", step, commit_err)
                     target.abort()
         commit_err = comm.broadcast(commit_err, src=0)
+        if comm.rank == 0 and not commit_err and not any(write_errors):
+            target.retain()  # after every rank knows the outcome
         _raise_failures(write_errors, "save", step, CheckpointSaveError)
         if commit_err:
             raise CheckpointSaveError(f"save of step {step} failed on rank 0: {commit_err}")
@@ -229,12 +236,14 @@ class Saver:
             test_fault=self.test_writer_fault,
         )
         t_stage = time.perf_counter()
+        failed: Optional[JobResult] = None
         try:
-            file_jobs = writer.area.stage(files, lambda item: source_tensor(p.flat, item))
-            job.files = file_jobs
+            job.files = writer.area.stage(files, lambda item: source_tensor(p.flat, item))
             writer.submit(job)
-        except Exception as e:
-            # Nothing reaches the writer: record the failure so no rank waits for us.
+        except BaseException as e:
+            # Nothing reaches the writer: record the failure so that no rank waits
+            # for us; it is reported like any other failure of this save, by the
+            # next save() / finalize_pending_saves() on every rank.
             msg = f"rank {comm.rank}: staging step {step} failed: {_describe(e)}"
             log.error("%s", msg)
             try:
@@ -244,10 +253,12 @@ class Saver:
                     write_record(outcome_record(records), {"ok": False, "error": msg})
             except OSError as e2:
                 log.error("rank %d: could not record the failure: %s", comm.rank, e2)
-            raise CheckpointSaveError(msg) from e
+            if not isinstance(e, Exception):
+                raise  # SystemExit, KeyboardInterrupt: recorded, now let it through
+            failed = JobResult(p.save_id, False, msg)
         t_end = time.perf_counter()
         return PendingSave(p, job, stall_s=t_end - p.t0, wait_s=t_start - p.t0, stage_s=t_end - t_stage,
-                           t_submit=t_end, t_start=t_start)
+                           t_submit=t_end, t_start=t_start, failed=failed)
 
     def complete(self, pending: PendingSave, result: JobResult, final: str) -> SaveStats:
         """Stats of a finished asynchronous save, or its error."""

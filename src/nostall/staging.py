@@ -90,7 +90,7 @@ class StagingArea:
         if self._pinned or self._tensor is None:
             return
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self._tensor.data_ptr(), self.size, 0)
+        err = cudart.cudaHostRegister(self._tensor.data_ptr(), self.size, 1)  # cudaHostRegisterPortable
         if int(err) != 0:  # pragma: no cover - GPU only
             log.warning("cudaHostRegister of the staging area failed (%s); copies will not be pinned", err)
             return
@@ -103,6 +103,7 @@ class StagingArea:
         area = self.tensor
         jobs: List[FileJob] = []
         cuda = False
+        devices = set()
         for f, pos in zip(files, offsets):
             hdr = torch.frombuffer(bytearray(f.header), dtype=torch.uint8)
             area[pos : pos + len(f.header)].copy_(hdr)
@@ -112,6 +113,7 @@ class StagingArea:
                     if not cuda:
                         self._pin()
                         cuda = True
+                    devices.add(src.device)
                 elif src.device.type != "cpu":
                     src = src.to("cpu")
                 n = item.end - item.start
@@ -122,8 +124,8 @@ class StagingArea:
                     raise RuntimeError(f"key {item.key!r}: {src.numel()} elements, the plan expects {dst.numel()}")
                 dst.view(src.shape).copy_(src.detach(), non_blocking=cuda)
             jobs.append(FileJob(f.name, pos, f.size, len(f.header), tuple((i.start, i.end) for i in f.items)))
-        if cuda:
-            torch.cuda.synchronize()
+        for d in devices:  # the copies were asynchronous, on each tensor's device
+            torch.cuda.synchronize(d)
         return tuple(jobs)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from .format import Manifest, block_crcs
 log = logging.getLogger("nostall")
 
 Crcs = Dict[Tuple[str, int, int], Tuple[int, ...]]  # (file, start, end) -> block checksums
+_COMMIT_SLACK_S = 60.0  # other ranks wait this much longer than rank 0 for the outcome
 
 
 def write_file_image(
@@ -121,8 +122,12 @@ def read_record(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def _poll(deadline: float, what: str, check: Any) -> Any:
-    """Call ``check`` until it returns non-None; bounded by ``deadline``."""
+def _poll(deadline: float, what: str, check: Any, max_delay: float = 0.1) -> Any:
+    """Call ``check`` until it returns non-None; bounded by ``deadline``.
+
+    Backs off to ``max_delay`` between looks, so that many ranks polling a
+    shared filesystem stay cheap for its metadata server.
+    """
     delay = 0.005
     while True:
         v = check()
@@ -131,7 +136,7 @@ def _poll(deadline: float, what: str, check: Any) -> Any:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        delay = min(delay * 2, max_delay)
 
 
 def run_job(job: SaveJob, area: memoryview) -> JobResult:
@@ -163,8 +168,12 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
         if job.commit is not None:
             outcome = _commit(job, deadline)
             write_record(outcome_record(job.records), outcome)
+            if outcome.get("ok"):
+                job.commit.target.retain()  # after the other ranks can know the outcome
         else:
-            outcome = _poll(deadline, f"rank 0 to commit step {job.step}", lambda: read_record(outcome_record(job.records)))
+            # rank 0 may take up to the timeout waiting for the slowest rank, then commit
+            outcome = _poll(deadline + _COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
+                            lambda: read_record(outcome_record(job.records)), max_delay=0.5)
     except Exception as e:
         outcome = {"ok": False, "error": f"rank {job.rank}: {_describe(e)}"}
     res.commit_s = time.perf_counter() - t1
@@ -184,8 +193,15 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
     crcs: Crcs = {}
     failures: List[str] = []
     try:
+        delay = 0.005
         while pending:
+            try:
+                present = set(os.listdir(job.records))  # one metadata call per look
+            except FileNotFoundError:
+                present = set()
             for r in sorted(pending):
+                if os.path.basename(done_record(job.records, r)) not in present:
+                    continue
                 rec = read_record(done_record(job.records, r))
                 if rec is None:
                     continue
@@ -203,12 +219,13 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
                         f"rank(s) {sorted(pending)} did not finish writing within {job.timeout:.0f}s"
                     )
                     break
-                time.sleep(0.01)
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
         if failures:
             target.abort()
             return {"ok": False, "error": f"save of step {job.step} failed: " + "; ".join(failures)}
-        manifest = job.commit.manifest.with_crcs(crcs).to_json_bytes()
-        target.commit(manifest)
+        m = job.commit.manifest
+        target.publish(m.with_crcs(crcs).to_json_bytes(), {n: f.size for n, f in m.files.items()})
         return {"ok": True}
     except Exception as e:
         try:
