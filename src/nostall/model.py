@@ -206,14 +206,14 @@ def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:
         raise InvalidStateError(f"key {key!r}: this rank is not part of the DTensor's device mesh")
     main = True
     for dim, p in enumerate(dt.placements):
-        if type(p) is Shard:
-            continue
+        if isinstance(p, Shard) or type(p).__name__ == "_StridedShard":
+            continue  # _StridedShard: FSDP2 over TP on the same dim (a contiguous box per rank)
         if isinstance(p, Replicate):
             main = main and coord[dim] == 0
             continue
         raise InvalidStateError(
             f"key {key!r}: DTensor placement {p!r} is not supported (only Shard and Replicate; "
-            "reduce Partial tensors and flatten strided shards before saving)"
+            "reduce Partial tensors before saving)"
         )
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     local = dt.to_local()
