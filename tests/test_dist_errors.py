@@ -112,11 +112,14 @@ def test_write_failure_on_one_rank(tmp_path):
 
 
 def _retention_dist(rank, world, root):
+    import torch.distributed as dist
+
     import nostall
 
     with nostall.CheckpointManager(root, keep_last=2) as mgr:
         for step in range(1, 6):
             mgr.save(step, {"s": nostall.ShardedTensor(torch.full((3,), float(step)), (6,), (3 * rank,))})
+        dist.barrier()  # rank 0 applies retention after every rank knows the outcome
         return mgr.steps()
 
 

@@ -8,8 +8,6 @@ import os
 import pytest
 import torch
 
-from tests.dist_harness import run_ranks
-
 # Global tensors of the synthetic model; values depend only on the key and the
 # global index, so any rank in any layout can compute what it must hold.
 GLOBAL = {
@@ -128,28 +126,29 @@ def _load(rank, world, root, tp, plain=False):
 
 
 @pytest.mark.parametrize("world,tp", [(2, 2), (4, 2), (4, 4)])
-def test_roundtrip_same_layout(tmp_path, world, tp):
-    out = run_ranks(world, _save, str(tmp_path), tp)
+def test_roundtrip_same_layout(tmp_path, rank_pools, world, tp):
+    pool = rank_pools.get(world)
+    out = pool.run(_save, str(tmp_path), tp)
     assert all(o["latest"] == 2 for o in out)
     assert all(o["cached"] == (False, True) for o in out)
-    assert run_ranks(world, _load, str(tmp_path), tp) == [True] * world
+    assert pool.run(_load, str(tmp_path), tp) == [True] * world
 
 
-def test_reshard_2_to_1_and_1_to_2_and_2_to_4(tmp_path):
+def test_reshard_2_to_1_and_1_to_2_and_2_to_4(tmp_path, pool2, pool4):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    run_ranks(2, _save, str(a), 2)
+    pool2.run(_save, str(a), 2)
     # 2 -> 1: one rank loads everything as full plain tensors, and as TP=1 shards
     _load(0, 1, str(a), 1, True)
     _load(0, 1, str(a), 1, False)
     # 2 -> 4 with TP=4, and TP=2 x DP=2
-    assert run_ranks(4, _load, str(a), 4) == [True] * 4
-    assert run_ranks(4, _load, str(a), 2) == [True] * 4
+    assert pool4.run(_load, str(a), 4) == [True] * 4
+    assert pool4.run(_load, str(a), 2) == [True] * 4
     # 1 -> 2
     _save(0, 1, str(b), 1)
-    assert run_ranks(2, _load, str(b), 2) == [True] * 2
+    assert pool2.run(_load, str(b), 2) == [True] * 2
     # 4 (TP2 x DP2) -> 2 (TP2): replicas were deduplicated on save
-    run_ranks(4, _save, str(c), 2)
-    assert run_ranks(2, _load, str(c), 2) == [True] * 2
+    pool4.run(_save, str(c), 2)
+    assert pool2.run(_load, str(c), 2) == [True] * 2
 
 
 def _save_dp(rank, world, root):
@@ -162,11 +161,11 @@ def _save_dp(rank, world, root):
     return True
 
 
-def test_replicas_written_once_and_balanced(tmp_path):
+def test_replicas_written_once_and_balanced(tmp_path, pool4):
     from safetensors.torch import load_file
 
     root = str(tmp_path / "ck")
-    run_ranks(4, _save_dp, root)
+    pool4.run(_save_dp, root)
     m = json.load(open(os.path.join(root, "manifest.json")))
     # every tensor is stored exactly once
     for key, t in m["tensors"].items():
@@ -220,17 +219,17 @@ def _load_dtensor(rank, world, root, mesh_shape):
     return True
 
 
-def test_dtensor_roundtrip_and_reshard(tmp_path):
+def test_dtensor_roundtrip_and_reshard(tmp_path, pool2, pool4):
     root = str(tmp_path / "dt")
     # 4 ranks, 1-D mesh, Shard(0) of 10 rows: uneven pieces; replicated DTensor stored once
-    assert run_ranks(4, _save_dtensor, root, (4,)) == [(4, 1)] * 4
+    assert pool4.run(_save_dtensor, root, (4,)) == [(4, 1)] * 4
     # load on a 2x2 mesh sharded on both dims, and on 2 ranks sharded on dim 1
-    assert run_ranks(4, _load_dtensor, root, (2, 2)) == [True] * 4
-    assert run_ranks(2, _load_dtensor, root, (2,)) == [True] * 2
+    assert pool4.run(_load_dtensor, root, (2, 2)) == [True] * 4
+    assert pool2.run(_load_dtensor, root, (2,)) == [True] * 2
     root2 = str(tmp_path / "dt2")
     # 2x2 mesh with Replicate on the first dim: replicas deduplicated
-    assert run_ranks(4, _save_dtensor, root2, (2, 2)) == [(2, 1)] * 4
-    assert run_ranks(2, _load_dtensor, root2, (2,)) == [True] * 2
+    assert pool4.run(_save_dtensor, root2, (2, 2)) == [(2, 1)] * 4
+    assert pool2.run(_load_dtensor, root2, (2,)) == [True] * 2
 
 
 def _byte_identical(rank, world, root):
@@ -243,8 +242,8 @@ def _byte_identical(rank, world, root):
     return True
 
 
-def test_resave_is_byte_identical(tmp_path):
-    run_ranks(2, _byte_identical, str(tmp_path))
+def test_resave_is_byte_identical(tmp_path, pool2):
+    pool2.run(_byte_identical, str(tmp_path))
     x, y = tmp_path / "x", tmp_path / "y"
     names = sorted(os.listdir(x))
     assert names == sorted(os.listdir(y)) and "manifest.json" in names and len(names) == 3

@@ -92,4 +92,9 @@ def make_comm(process_group: Optional[Any], timeout: float, own_group: bool) -> 
         sub = dist.new_group(backend="gloo", timeout=td)
     else:
         sub = dist.new_group(ranks=ranks, backend="gloo", timeout=td, use_local_synchronization=True)
-    return _TorchComm(sub, owned=True, timeout=timeout)
+    comm = _TorchComm(sub, owned=True, timeout=timeout)
+    # Every member finishes connecting before anyone may use -- or destroy -- the
+    # group: a rank that closes a manager right away must not break a slower
+    # peer's connection set-up.
+    comm._call("barrier", lambda: dist.barrier(group=sub))
+    return comm

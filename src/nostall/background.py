@@ -75,6 +75,7 @@ class BackgroundWriter:
         self._sock: Optional[socket.socket] = None
         self._conn: Optional[Connection] = None
         self.job: Optional[SaveJob] = None  # the job in flight
+        self._stash: list = []  # messages read ahead by ready()
         self.restarts = 0
         self._start()
 
@@ -117,6 +118,7 @@ class BackgroundWriter:
         self._start()
 
     def _close_channel(self) -> None:
+        self._stash = []
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -133,6 +135,10 @@ class BackgroundWriter:
     def _recv(self, deadline: float, what: str, skip: tuple = ()) -> Any:
         """Next message from the writer (ignoring kinds in ``skip``), bounded by ``deadline``."""
         assert self._conn is not None
+        while self._stash:
+            msg = self._stash.pop(0)
+            if msg[0] not in skip:
+                return msg
         while True:
             if self._conn.poll(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
                 try:
@@ -167,8 +173,20 @@ class BackgroundWriter:
         self.job = job
 
     def ready(self) -> bool:
-        """True when the writer is alive and has sent something (never blocks)."""
-        return self.alive() and self._conn is not None and self._conn.poll(0)
+        """True when the job in flight has its result waiting (never blocks)."""
+        if any(m[0] == "result" for m in self._stash):
+            return True
+        if self._conn is None or not self.alive():
+            return False
+        while self._conn.poll(0):
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                return False
+            if msg[0] == "result":
+                self._stash.append(msg)
+                return True
+        return False
 
     def wait(self, timeout: Optional[float]) -> JobResult:
         """The outcome of the job in flight (bounded); the job is then no longer in flight.
