@@ -37,7 +37,7 @@ def make_state(rank: int, world: int, mb: int):
     import nostall
 
     per = mb * (1 << 20) // 4  # float32 elements per rank
-    sizes = [per // 4, per // 8, per // 8, per // 16] + [per // 64] * 16  # mixed sizes, sum = per
+    sizes = [per // 4, per // 8, per // 8, per // 8] + [per // 64] * 24  # mixed sizes, sum = per
     state = {"model": {}, "optim": {}}
     for i, n in enumerate(sizes):
         t = torch.randn(n)
