@@ -159,8 +159,6 @@ def test_writer_killed_every_rank_raises_quickly(tmp_path, victim):
 
 
 def _enospc(rank, world, root):
-    import logging
-
     import nostall
 
     with nostall.CheckpointManager(root, async_save=True) as mgr:

@@ -45,7 +45,6 @@ def make_state(rank: int, world: int, tp: int, *, zeros: bool = False, plain: bo
     """
     import nostall
 
-    dp = world // tp
     tp_rank, dp_rank = rank % tp, rank // tp
     state = {"model": {}, "optim": {"state": {}}}
     for key, (gshape, dtype, dim) in GLOBAL.items():

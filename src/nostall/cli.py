@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from . import commit
 from .errors import CheckpointError
-from .format import Manifest, itemsize
+from .format import Manifest
 from .loading import read_manifest, verify_checkpoint
 
 

@@ -24,7 +24,6 @@ import os
 import shutil
 import socket
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List, Optional
 
