@@ -161,3 +161,30 @@ def test_latest_step_prefers_a_valid_pointer(tmp_path):
     assert nostall.CheckpointManager(tmp_path).load(_tmpl())["n"] == {"step": 150}
     (tmp_path / "latest").unlink()
     assert mgr.latest_step() == 300  # without a pointer: the highest committed step
+
+
+def test_a_slice_reads_only_the_blocks_it_needs(tmp_path, monkeypatch):
+    from nostall import storage
+
+    full = torch.arange(4 * 1024 * 1024, dtype=torch.float32).reshape(1024, 4096)  # 16 MiB
+    nostall.save({"w": full}, tmp_path / "c", block_size=64 * 1024)
+    read = []
+    real = storage.read_exact
+
+    def counting(fd, offset, length, path, into=None):
+        read.append(length)
+        return real(fd, offset, length, path, into)
+
+    monkeypatch.setattr(storage, "read_exact", counting)
+    # rows 300..310 of 1024: 10 rows x 16 KiB, contiguous in the file
+    part = nostall.ShardedTensor(torch.zeros(10, 4096), (1024, 4096), (300, 0))
+    nostall.load({"w": part}, tmp_path / "c")
+    assert torch.equal(part.data, full[300:310])
+    needed = 10 * 4096 * 4
+    assert needed <= sum(read) <= needed + 2 * 64 * 1024, sum(read)
+    # a column slice needs every row: bounded by the rows' span, not more
+    read.clear()
+    col = nostall.ShardedTensor(torch.zeros(1024, 2), (1024, 4096), (0, 100))
+    nostall.load({"w": col}, tmp_path / "c")
+    assert torch.equal(col.data, full[:, 100:102])
+    assert sum(read) <= full.numel() * 4
