@@ -1,4 +1,4 @@
-"""Command line: ``nostall inspect PATH`` and ``nostall verify PATH``."""
+"""Command line: ``nostall inspect PATH``, ``nostall verify PATH``, ``nostall bench ...``."""
 
 from __future__ import annotations
 
@@ -94,8 +94,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(rest: List[str]) -> int:
+    from .bench import main as bench_main
+
+    return bench_main(rest)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="nostall", description="Inspect and verify nostall checkpoints.")
+    p = argparse.ArgumentParser(prog="nostall", description="Inspect, verify and benchmark nostall checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("inspect", help="show what a checkpoint holds")
     pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
@@ -104,6 +110,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     pv = sub.add_parser("verify", help="re-read every byte and check every checksum")
     pv.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
     pv.set_defaults(fn=cmd_verify)
+    pb = sub.add_parser("bench", help="benchmark against PyTorch DCP, torch.save and the machine's limits",
+                        add_help=False)
+    pb.add_argument("rest", nargs=argparse.REMAINDER)
+    pb.set_defaults(fn=lambda a: _bench(a.rest))
     args = p.parse_args(argv)
     try:
         return args.fn(args)

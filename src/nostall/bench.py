@@ -1,0 +1,570 @@
+"""``nostall bench``: nostall side by side with PyTorch DCP, torch.save and the machine's limits.
+
+Launches ``--ranks`` processes (gloo), gives every rank the same synthetic
+training state (parameters sharded as DTensors over a 1-D mesh plus replicated
+tensors, and an optimizer-like pair of moments per parameter), and times, in
+interleaved repetitions on that same state:
+
+* ``nostall_sync``, ``nostall_async`` -- ``CheckpointManager.save``;
+* ``dcp_sync`` (``dcp.save``), ``dcp_async_thread`` (``dcp.async_save``),
+  ``dcp_async_process`` (process executor with DCP's shared-memory
+  ``DefaultStager``: its best CPU configuration);
+* ``torch_save`` -- each rank ``torch.save``s its local tensors to its own
+  file, then fsyncs it;
+* the limits: ``copy`` (the rank's bytes into an already-touched buffer: the
+  floor of any stall that takes a copy) and ``write`` (the same bytes written
+  sequentially to one file and fsynced: the floor of a durable save).
+
+For each: stall (how long the call kept the training loop from modifying its
+state), time until durable/committed, throughput, resident memory of the rank
+and of its helper processes; the first save separately. Then loads (same
+layout, and resharded to full tensors on every rank) and the training-side
+cost: step time of a small CPU model while a background save is written,
+relative to no save. See docs/benchmarks.md for the JSON schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+SYSTEMS = ("nostall_sync", "nostall_async", "dcp_sync", "dcp_async_thread", "dcp_async_process", "torch_save")
+LIMITS = ("copy", "write")
+ASYNC = ("nostall_async", "dcp_async_thread", "dcp_async_process")
+
+
+# --------------------------------------------------------------------------- helpers (in the ranks)
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _children_rss_mb() -> float:
+    """Resident memory of this process's children (writer processes, DCP's executor)."""
+    me, total = os.getpid(), 0.0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[1]) == me:
+                total += _rss_mb(int(name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
+    """Parameters (DTensor Shard(0) on a 1-D mesh, some replicated) and two moments each."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    per = max(1, mb * (1 << 20) // 4 // 3)  # float32 elements of parameters per rank (moments: 2x)
+    sizes = [per // 4, per // 8, per // 8, per // 8] + [per // 64] * 24
+    g = torch.Generator().manual_seed(1234 + rank)
+    model: Dict[str, Any] = {}
+    optim: Dict[str, Any] = {}
+    nbytes = 0
+    for i, n in enumerate(sizes):
+        rows = max(1, n // 256)
+        shape = (rows, 256)
+        if i % 7 == 6:  # replicated (e.g. norms): identical on every rank
+            rep = torch.Generator().manual_seed(99 + i)
+            model[f"p{i}"] = torch.randn(shape, generator=rep)
+            optim[f"p{i}"] = {"exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
+        else:
+            def shard() -> Any:
+                local = torch.randn(shape, generator=g)
+                return DTensor.from_local(local, mesh, [Shard(0)], shape=(rows * world, 256), stride=(256, 1))
+
+            model[f"p{i}"] = shard()
+            optim[f"p{i}"] = {"exp_avg": shard(), "exp_avg_sq": shard()}
+        nbytes += 3 * rows * 256 * 4
+    return {"model": model, "optim": optim, "step": 0}, nbytes
+
+
+def _locals(state: Dict[str, Any]) -> List[Any]:
+    out = []
+
+    def rec(v: Any) -> None:
+        if isinstance(v, dict):
+            for x in v.values():
+                rec(x)
+        elif hasattr(v, "to_local"):
+            out.append(v.to_local())
+        elif hasattr(v, "numel"):
+            out.append(v)
+
+    rec(state)
+    return out
+
+
+def _full_template(state: Dict[str, Any]) -> Dict[str, Any]:
+    """The same keys as plain full tensors: a resharded load (every rank reads everything)."""
+    import torch
+
+    def rec(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: rec(x) for k, x in v.items()}
+        if hasattr(v, "to_local"):
+            return torch.zeros(v.shape, dtype=v.dtype)
+        if hasattr(v, "numel"):
+            return torch.zeros_like(v)
+        return v
+
+    return rec(state)
+
+
+def _zero_template(state: Dict[str, Any]) -> Dict[str, Any]:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def rec(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: rec(x) for k, x in v.items()}
+        if isinstance(v, DTensor):
+            return DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
+                                      shape=v.shape, stride=v.stride())
+        if hasattr(v, "numel"):
+            return torch.zeros_like(v)
+        return v
+
+    return rec(state)
+
+
+class _TrainLoop:
+    """A small CPU model whose step time shows interference from a background save."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(64, 512)
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        loss = self.model(self.x).pow(2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import nostall
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+    try:
+        q.put((rank, _run_rank(rank, world, root, cfg, torch, dist, dcp, nostall)))
+    except BaseException as e:  # report, so the launcher does not wait forever
+        import traceback
+
+        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any, dist: Any, dcp: Any,
+              nostall: Any) -> Dict[str, Any]:
+    systems: List[str] = cfg["systems"]
+    reps: int = cfg["reps"]
+    state, nbytes = _make_state(rank, world, cfg["mb"])
+    tensors = _locals(state)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.zero_()  # touched once: the copy floor never pays page faults
+    raw = os.path.join(root, "raw")
+    os.makedirs(raw, exist_ok=True)
+
+    res: Dict[str, Dict[str, Any]] = {
+        s: {"stall_s": [], "commit_s": [], "throughput_gbps": [], "rss_mb": [], "helper_rss_mb": [], "first_save": None}
+        for s in list(systems) + list(LIMITS)
+    }
+    # No retention inside the timed region: every system's old checkpoints are
+    # deleted between repetitions, outside the timers (the same work for all).
+    mgr_sync = nostall.CheckpointManager(os.path.join(root, "nostall_sync")) if "nostall_sync" in systems else None
+    mgr_async = (nostall.CheckpointManager(os.path.join(root, "nostall_async"), async_save=True)
+                 if "nostall_async" in systems else None)
+    dcp_proc_stager = None
+    if "dcp_async_process" in systems:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # DCP's recommended CPU set-up: a reusable shared-memory staging copy, process executor
+        dcp_proc_stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                       use_shared_memory=True, use_async_staging=False,
+                                                       use_non_blocking_copy=torch.cuda.is_available()))
+
+    def copy_floor() -> Tuple[float, float]:
+        t0 = time.perf_counter()
+        pos = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
+            pos += n
+        d = time.perf_counter() - t0
+        return d, d
+
+    def write_floor() -> Tuple[float, float]:
+        t0 = time.perf_counter()
+        path = os.path.join(raw, f"rank{rank}.bin")
+        from nostall import storage
+
+        storage.write_file(path, [memoryview(buf.numpy())])
+        d = time.perf_counter() - t0
+        return d, d
+
+    def run(system: str, rep: int) -> Tuple[float, float]:
+        d = os.path.join(root, system, f"r{rep}")
+        if system == "nostall_sync":
+            t0 = time.perf_counter()
+            mgr_sync.save(rep, state)
+            x = time.perf_counter() - t0
+            return x, x
+        if system == "nostall_async":
+            mgr_async.finalize_pending_saves()
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = mgr_async.save(rep, state)
+            stall = time.perf_counter() - t0
+            h.result()
+            return stall, time.perf_counter() - t0
+        if system == "dcp_sync":
+            t0 = time.perf_counter()
+            dcp.save(state, checkpoint_id=d)
+            x = time.perf_counter() - t0
+            return x, x
+        if system == "dcp_async_thread":
+            t0 = time.perf_counter()
+            f = dcp.async_save(state, checkpoint_id=d)
+            stall = time.perf_counter() - t0
+            f.result()
+            return stall, time.perf_counter() - t0
+        if system == "dcp_async_process":
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            t0 = time.perf_counter()
+            r = dcp.async_save(state, checkpoint_id=d, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                               async_stager=dcp_proc_stager)
+            staged = getattr(r, "staging_completion", None)
+            if staged is not None:
+                staged.result()  # the state may be modified only once staged
+            stall = time.perf_counter() - t0
+            (getattr(r, "upload_completion", None) or r).result()
+            return stall, time.perf_counter() - t0
+        if system == "torch_save":
+            path = os.path.join(root, system, f"rank{rank}-r{rep}.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            local = {f"t{i}": t for i, t in enumerate(tensors)}
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(local, f)
+                f.flush()
+                os.fsync(f.fileno())
+            x = time.perf_counter() - t0
+            return x, x
+        if system == "copy":
+            return copy_floor()
+        if system == "write":
+            return write_floor()
+        raise ValueError(system)
+
+    def helper_rss(system: str) -> float:
+        if system == "nostall_async" and mgr_async is not None and mgr_async.writer_pid:
+            return _rss_mb(mgr_async.writer_pid)
+        return _children_rss_mb() if system == "dcp_async_process" else 0.0
+
+    order = list(LIMITS) + list(systems)
+    for rep in range(reps + 1):
+        for system in order:
+            dist.barrier()
+            stall, commit = run(system, rep)
+            dist.barrier()
+            r = res[system]
+            if rep == 0:
+                r["first_save"] = {"stall_s": stall, "commit_s": commit}
+                continue
+            r["stall_s"].append(stall)
+            r["commit_s"].append(commit)
+            r["throughput_gbps"].append(nbytes / commit / 1e9 if commit > 0 else 0.0)
+            r["rss_mb"].append(_rss_mb(os.getpid()))
+            r["helper_rss_mb"].append(helper_rss(system))
+            if rank == 0:  # drop the previous repetition's checkpoint, outside the timers
+                for old in (os.path.join(root, system, f"r{rep - 1}"), os.path.join(root, system, f"step_{rep - 1}")):
+                    shutil.rmtree(old, ignore_errors=True)
+            if system == "torch_save":
+                old = os.path.join(root, system, f"rank{rank}-r{rep - 1}.pt")
+                if os.path.exists(old):
+                    os.unlink(old)
+
+    # ---- loads: same layout, and resharded to full tensors on every rank
+    loads: Dict[str, Dict[str, List[float]]] = {}
+    if cfg["loads"]:
+        last = reps
+        targets = {
+            "nostall": lambda tmpl: mgr_sync.load(tmpl) if mgr_sync else None,
+            "dcp": lambda tmpl: dcp.load(tmpl, checkpoint_id=os.path.join(root, "dcp_sync", f"r{last}")),
+        }
+        for name, fn in targets.items():
+            if (name == "nostall" and mgr_sync is None) or (name == "dcp" and "dcp_sync" not in systems):
+                continue
+            loads[name] = {"same_layout_s": [], "resharded_s": []}
+            for _ in range(max(1, reps)):
+                for kind, make in (("same_layout_s", _zero_template), ("resharded_s", _full_template)):
+                    tmpl = make(state)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fn(tmpl)
+                    loads[name][kind].append(time.perf_counter() - t0)
+        # raw read of the write floor's file
+        loads["read_floor"] = {"same_layout_s": [], "resharded_s": []}
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            with open(os.path.join(raw, f"rank{rank}.bin"), "rb", buffering=0) as f:
+                while f.readinto(memoryview(buf.numpy())[: 64 << 20]):
+                    pass
+            loads["read_floor"]["same_layout_s"].append(time.perf_counter() - t0)
+
+    # ---- training-side cost of a background save
+    training: Dict[str, Any] = {}
+    if cfg["train"]:
+        loop = _TrainLoop()
+        for _ in range(5):
+            loop.step()
+        baselines = []
+        for system in [s for s in systems if s in ASYNC]:
+            dist.barrier()  # the baseline right before, under the same conditions
+            base = statistics.median([loop.step() for _ in range(30)])
+            baselines.append(base)
+            dist.barrier()
+            d = os.path.join(root, system, "train")
+            if system == "nostall_async":
+                mgr_async.finalize_pending_saves()
+                h = mgr_async.save(10_000, state)
+                done: Callable[[], bool] = h.done
+            elif system == "dcp_async_thread":
+                f = dcp.async_save(state, checkpoint_id=d)
+                done = f.done
+            else:
+                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+                r = dcp.async_save(state, checkpoint_id=d, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                   async_stager=dcp_proc_stager)
+                fut = getattr(r, "upload_completion", None) or r
+                done = fut.done
+            steps = []
+            while not done() or len(steps) < 3:
+                steps.append(loop.step())
+                if len(steps) > 100_000:
+                    break
+            training[system] = {"step_s": statistics.median(steps), "steps": len(steps), "baseline_step_s": base,
+                                "slowdown": statistics.median(steps) / base}
+        training["baseline_step_s"] = statistics.median(baselines) if baselines else float("nan")
+        if mgr_async is not None:
+            mgr_async.finalize_pending_saves()
+
+    for m in (mgr_sync, mgr_async):
+        if m is not None:
+            m.close()
+    if dcp_proc_stager is not None:
+        try:
+            dcp_proc_stager.close()
+        except Exception:
+            pass
+    return {"bytes": nbytes, "systems": res, "loads": loads, "training": training}
+
+
+# --------------------------------------------------------------------------- the launcher
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
+              train: bool = True, timeout: float = 1800.0) -> Dict[str, Any]:
+    """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
+    import torch
+    import torch.multiprocessing as mp
+
+    own = root is None
+    root = root or tempfile.mkdtemp(prefix="nostall-bench-")
+    cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    pc = mp.start_processes(_worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False,
+                            start_method="spawn")
+    per_rank: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(per_rank) < ranks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"benchmark did not finish within {timeout:.0f}s")
+            try:
+                rank, r = q.get(timeout=min(5.0, left))
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in pc.processes):
+                    raise RuntimeError("a benchmark rank died") from None
+                continue
+            if "error" in r:
+                raise RuntimeError(f"rank {rank} failed: {r['error']}")
+            per_rank[rank] = r
+        pc.join(60)
+    finally:
+        for p in pc.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    r0 = per_rank[0]
+    return {
+        "config": {"ranks": ranks, "mb_per_rank": mb, "bytes_per_rank": r0["bytes"], "reps": reps,
+                   "systems": systems, "backend": "gloo"},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__, "cuda": torch.cuda.is_available()},
+        "systems": {name: r0["systems"][name] for name in list(LIMITS) + systems},
+        "per_rank": {str(k): v["systems"] for k, v in per_rank.items()},
+        "loads": r0["loads"],
+        "training": r0["training"],
+    }
+
+
+def _med(xs: List[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def format_table(out: Dict[str, Any]) -> str:
+    c = out["config"]
+    lines = [f"{c['ranks']} ranks x {c['bytes_per_rank'] / 2**20:.0f} MiB, {c['reps']} repetitions "
+             f"(medians, rank 0; min-max in brackets)", ""]
+    lines.append(f"{'system':<20}{'stall':>22}{'until durable':>24}{'GB/s':>7}{'rank MB':>9}{'helper MB':>10}"
+                 f"{'first stall':>13}")
+    s = out["systems"]
+    for name, r in s.items():
+        st, cm = r["stall_s"], r["commit_s"]
+        fs = r["first_save"]["stall_s"] if r["first_save"] else float("nan")
+        lines.append(
+            f"{name:<20}{_med(st) * 1e3:>10.1f} ms ({min(st) * 1e3:.0f}-{max(st) * 1e3:.0f})"
+            f"{_med(cm) * 1e3:>12.1f} ms ({min(cm) * 1e3:.0f}-{max(cm) * 1e3:.0f})"
+            f"{_med(r['throughput_gbps']):>7.2f}{_med(r['rss_mb']):>9.0f}{_med(r['helper_rss_mb']):>10.0f}"
+            f"{fs * 1e3:>10.0f} ms"
+        )
+    lines.append("")
+    ns = s.get("nostall_async")
+    if ns:
+        ref = _med(ns["stall_s"])
+        for other in ("nostall_sync", "dcp_sync", "dcp_async_thread", "dcp_async_process", "torch_save", "copy"):
+            if other in s:
+                lines.append(f"  nostall_async stall / {other} stall = {ref / _med(s[other]['stall_s']):.3f}")
+    if "nostall_sync" in s and "dcp_sync" in s:
+        lines.append(f"  nostall_sync / dcp_sync (until durable) = "
+                     f"{_med(s['nostall_sync']['commit_s']) / _med(s['dcp_sync']['commit_s']):.3f}")
+    if "nostall_sync" in s:
+        lines.append(f"  nostall_sync / write floor (until durable) = "
+                     f"{_med(s['nostall_sync']['commit_s']) / _med(s['write']['commit_s']):.3f}")
+    if out["loads"]:
+        lines.append("")
+        for name, r in out["loads"].items():
+            rs = f", resharded {_med(r['resharded_s']) * 1e3:.1f} ms" if r["resharded_s"] else ""
+            lines.append(f"  load {name:<11} same layout {_med(r['same_layout_s']) * 1e3:.1f} ms{rs}")
+    t = out["training"]
+    if t:
+        lines.append("")
+        lines.append(f"  training step without a save: {t['baseline_step_s'] * 1e3:.2f} ms")
+        for name, r in t.items():
+            if name != "baseline_step_s":
+                lines.append(f"  training step while {name} writes: {r['step_s'] * 1e3:.2f} ms "
+                             f"(x{r['slowdown']:.2f} of {r['baseline_step_s'] * 1e3:.2f} ms just before; "
+                             f"{r['steps']} steps)")
+    return "\n".join(lines)
+
+
+def plot(out: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = out["systems"]
+    names = [n for n in s if n not in LIMITS]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, field, title, limit in ((axes[0], "stall_s", "time the training loop is blocked", "copy"),
+                                    (axes[1], "commit_s", "time until the checkpoint is durable", "write")):
+        vals = [_med(s[n][field]) for n in names]
+        ax.bar(range(len(names)), vals, color=["tab:blue" if n.startswith("nostall") else "tab:gray" for n in names])
+        ax.axhline(_med(s[limit][field]), color="tab:red", linestyle="--", label=f"limit: {limit}")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(title)
+        ax.legend()
+    c = out["config"]
+    fig.suptitle(f"{c['ranks']} ranks x {c['bytes_per_rank'] / 2**20:.0f} MiB per rank, {c['reps']} reps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="nostall bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--mb-per-rank", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a first (reported apart) save")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")
+    ap.add_argument("--json", default=None, help="write every figure to this file")
+    ap.add_argument("--plot", default=None, help="draw stall and time-to-durable per system (PNG)")
+    ap.add_argument("--no-load", action="store_true", help="skip the load measurements")
+    ap.add_argument("--no-train", action="store_true", help="skip the training-interference measurement")
+    args = ap.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
+                    train=not args.no_train)
+    print(format_table(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.plot:
+        plot(out, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

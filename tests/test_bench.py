@@ -1,0 +1,28 @@
+"""The benchmark's smoke configuration: it runs and produces well-formed output (figures not asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from nostall import bench
+
+
+def test_bench_smoke(tmp_path):
+    out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"))
+    assert set(out) >= {"config", "machine", "systems", "loads", "training"}
+    assert out["config"]["ranks"] == 2 and out["config"]["bytes_per_rank"] > 0
+    assert set(out["systems"]) == set(bench.SYSTEMS) | set(bench.LIMITS)
+    for name, r in out["systems"].items():
+        for field in ("stall_s", "commit_s", "throughput_gbps", "rss_mb"):
+            assert len(r[field]) == 1 and all(math.isfinite(x) and x >= 0 for x in r[field]), (name, field)
+        assert r["first_save"]["commit_s"] >= r["first_save"]["stall_s"] >= 0
+        assert r["commit_s"][0] >= r["stall_s"][0]
+    assert set(out["loads"]) == {"nostall", "dcp", "read_floor"}
+    assert {"baseline_step_s", "nostall_async", "dcp_async_thread", "dcp_async_process"} <= set(out["training"])
+    json.dumps(out)  # JSON-able
+    table = bench.format_table(out)
+    assert "nostall_async" in table and "dcp_sync" in table
+    png = tmp_path / "p.png"
+    bench.plot(out, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
