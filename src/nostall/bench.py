@@ -46,20 +46,21 @@ ASYNC = ("nostall_async", "dcp_async_thread", "dcp_async_process")
 # --------------------------------------------------------------------------- helpers (in the ranks)
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """Peak (VmHWM, since the last reset) or current (VmRSS) resident memory of a process."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return 0.0
 
 
-def _children_rss_mb() -> float:
-    """Resident memory of this process's children (writer processes, DCP's executor)."""
-    me, total = os.getpid(), 0.0
+def _children() -> List[int]:
+    """This process's children (writer processes, DCP's executor)."""
+    me, out = os.getpid(), []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -67,10 +68,20 @@ def _children_rss_mb() -> float:
             with open(f"/proc/{name}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             if int(fields[1]) == me:
-                total += _rss_mb(int(name))
+                out.append(int(name))
         except (OSError, IndexError, ValueError):
             continue
-    return total
+    return out
+
+
+def _reset_peaks() -> None:
+    """Restart the peak-RSS counters of this process and its children (Linux clear_refs 5)."""
+    for pid in [os.getpid()] + _children():
+        try:
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
 
 
 def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
@@ -302,11 +313,12 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     def helper_rss(system: str) -> float:
         if system == "nostall_async" and mgr_async is not None and mgr_async.writer_pid:
             return _rss_mb(mgr_async.writer_pid)
-        return _children_rss_mb() if system == "dcp_async_process" else 0.0
+        return sum(_rss_mb(p) for p in _children()) if system == "dcp_async_process" else 0.0
 
     order = list(LIMITS) + list(systems)
     for rep in range(reps + 1):
         for system in order:
+            _reset_peaks()
             dist.barrier()
             stall, commit = run(system, rep)
             dist.barrier()
@@ -472,7 +484,7 @@ def format_table(out: Dict[str, Any]) -> str:
     c = out["config"]
     lines = [f"{c['ranks']} ranks x {c['bytes_per_rank'] / 2**20:.0f} MiB, {c['reps']} repetitions "
              f"(medians, rank 0; min-max in brackets)", ""]
-    lines.append(f"{'system':<20}{'stall':>22}{'until durable':>24}{'GB/s':>7}{'rank MB':>9}{'helper MB':>10}"
+    lines.append(f"{'system':<20}{'stall':>22}{'until durable':>24}{'GB/s':>7}{'peak MB':>9}{'helper pk':>10}"
                  f"{'first stall':>13}")
     s = out["systems"]
     for name, r in s.items():
