@@ -28,7 +28,7 @@ def cover_problem(global_shape: Sequence[int], boxes: Sequence[Tuple[Shape, Shap
         nonempty.sort(key=lambda b: b[1][0])
         for j, (i, off, shp) in enumerate(nonempty):
             end0 = off[0] + shp[0]
-            for i2, off2, shp2 in nonempty[j + 1 :]:
+            for _, off2, shp2 in nonempty[j + 1 :]:
                 if off2[0] >= end0:
                     break
                 if overlap(off, shp, off2, shp2):

@@ -19,12 +19,22 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional
 
 from .errors import CheckpointError
 from .format import MANIFEST_NAME
 from .staging import StagingArea
-from .writer import JobResult, SaveJob, done_record, outcome_record, read_record, write_record
+from .writer import (
+    Crcs,
+    JobResult,
+    SaveJob,
+    done_record,
+    outcome_record,
+    poll_until,
+    read_record,
+    record_crcs,
+    write_record,
+)
 
 log = logging.getLogger("nostall")
 
@@ -48,13 +58,12 @@ def _was_committed(job: SaveJob) -> bool:
     path = os.path.join(job.commit.target.final, MANIFEST_NAME)
     if not os.path.exists(path):
         return False
-    crcs: Dict[Tuple[str, int, int], Tuple[int, ...]] = {}
+    crcs: Crcs = {}
     for r in job.writers:
         rec = read_record(done_record(job.records, r))
         if not rec or not rec.get("ok"):
             return False
-        for n, s, e, c in rec["crcs"]:
-            crcs[(n, int(s), int(e))] = tuple(c)
+        crcs.update(record_crcs(rec))
     try:
         expected = job.commit.manifest.with_crcs(crcs).to_json_bytes()
         with open(path, "rb") as f:
@@ -76,7 +85,6 @@ class BackgroundWriter:
         self._conn: Optional[Connection] = None
         self.job: Optional[SaveJob] = None  # the job in flight
         self._stash: list = []  # messages read ahead by ready()
-        self.restarts = 0
         self._start()
 
     # ------------------------------------------------------------------ process
@@ -93,6 +101,9 @@ class BackgroundWriter:
                 env=env,
                 close_fds=True,
             )
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self._sock = parent
@@ -114,7 +125,6 @@ class BackgroundWriter:
         code = self.proc.returncode if self.proc is not None else None
         log.warning("rank %d: writer process exited (code %s); starting a new one", self.rank, code)
         self._close_channel()
-        self.restarts += 1
         self._start()
 
     def _close_channel(self) -> None:
@@ -226,15 +236,10 @@ class BackgroundWriter:
                         outcome = {"ok": False, "error": f"save of step {job.step} failed: {why}"}
                     write_record(outcome_record(job.records), outcome)
             else:
-                deadline = time.monotonic() + self.timeout
-                outcome = None
-                delay = 0.01
-                while outcome is None and time.monotonic() < deadline:
-                    outcome = read_record(outcome_record(job.records))
-                    if outcome is None:
-                        time.sleep(delay)
-                        delay = min(delay * 2, 0.5)
-                if outcome is None:
+                try:
+                    outcome = poll_until(time.monotonic() + self.timeout, "rank 0's outcome",
+                                         lambda: read_record(outcome_record(job.records)), max_delay=0.5)
+                except TimeoutError:
                     outcome = {"ok": False, "error": f"{why}; rank 0 did not record an outcome either"}
             if outcome.get("ok"):
                 res.ok, res.error = True, None

@@ -7,6 +7,8 @@ telling save failures, load failures and corruption apart.
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
@@ -42,3 +44,12 @@ class CheckpointNotFoundError(CheckpointLoadError, FileNotFoundError):
 
 class CheckpointCorruptError(CheckpointLoadError):
     """Stored bytes or metadata do not match what the manifest promises."""
+
+
+def describe(e: BaseException) -> str:
+    """One line (or a short trace, for unexpected errors) saying what went wrong."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    if isinstance(e, (OSError, TimeoutError)):
+        return f"{type(e).__name__}: {e}"
+    return f"{type(e).__name__}: {e} ({traceback.format_exc(limit=3).strip().splitlines()[-1]})"

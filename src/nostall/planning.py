@@ -121,7 +121,6 @@ class SavePlan:
     tensors: Dict[str, TensorPlan]
     per_rank: List[Dict[str, TensorPlan]]
     files: Dict[str, FilePlan]
-    bytes_per_rank: List[int]
     signatures: Tuple[str, ...] = ()
     _by_rank: Dict[int, List[FilePlan]] = field(default_factory=dict)
 
@@ -133,10 +132,6 @@ class SavePlan:
 
     def file_sizes(self) -> Dict[str, int]:
         return {n: f.size for n, f in self.files.items()}
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes_per_rank)
 
 
 def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
@@ -265,15 +260,11 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
             w = placed[(r, k, True, (0,) * len(shape))]
             d[k] = TensorPlan(k, code, shape, False, (PiecePlan((0,) * len(shape), shape, r, w.file, w.start, w.end),))
         per_rank.append(d)
-    per_rank_bytes = [0] * world
-    for f in files.values():
-        per_rank_bytes[f.rank] = sum(it.end - it.start for it in f.items)
     return SavePlan(
         world_size=world,
         tensors=tensors,
         per_rank=per_rank,
         files=files,
-        bytes_per_rank=per_rank_bytes,
         signatures=tuple(m.signature() for m in metas),
     )
 

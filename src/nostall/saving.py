@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,7 +28,7 @@ from ._comm import Comm
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
 from .commit import Target
-from .errors import CheckpointError, CheckpointSaveError, InvalidStateError
+from .errors import CheckpointError, CheckpointSaveError, InvalidStateError, describe
 from .format import DEFAULT_BLOCK_SIZE, FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
 from .handles import SaveStats
 from .model import FlatState, flatten
@@ -37,14 +36,6 @@ from .planning import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, che
 from .writer import CommitJob, Crcs, JobResult, SaveJob, done_record, outcome_record, write_file_image, write_record
 
 log = logging.getLogger("nostall")
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, CheckpointError):
-        return str(e)
-    if isinstance(e, OSError):
-        return f"{type(e).__name__}: {e}"
-    return f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
 
 
 def _raise_failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int], cls: type) -> None:
@@ -87,7 +78,6 @@ class PendingSave:
     stall_s: float
     wait_s: float
     stage_s: float
-    t_submit: float
     t_start: float
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
 
@@ -120,12 +110,12 @@ class Saver:
         except InvalidStateError as e:
             state_err = str(e)
         except Exception as e:  # anything else must reach the other ranks too
-            state_err = f"unexpected error while inspecting the state: {_describe(e)}"
+            state_err = f"unexpected error while inspecting the state: {describe(e)}"
         if state_err is None and comm.rank == 0:
             try:
                 target.prepare()
             except (OSError, CheckpointError) as e:
-                target_err = f"cannot save to {target.final}: {_describe(e)}"
+                target_err = f"cannot save to {target.final}: {describe(e)}"
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
         save_id = uuid.uuid4().hex if comm.rank == 0 else ""
         round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))
@@ -178,7 +168,7 @@ class Saver:
                 )
                 nbytes += fp.size
         except Exception as e:
-            err = f"writing into {target.staging}: {_describe(e)}"
+            err = f"writing into {target.staging}: {describe(e)}"
             log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
         t_write = time.perf_counter()
         outcomes = comm.all_gather((err, crcs))
@@ -195,7 +185,7 @@ class Saver:
                         merged.update(o[1])
                     target.publish(self._skeleton(p).with_crcs(merged).to_json_bytes(), p.plan.file_sizes())
                 except Exception as e:
-                    commit_err = f"commit of {target.final}: {_describe(e)}"
+                    commit_err = f"commit of {target.final}: {describe(e)}"
                     log.error("save of step %s: %s", step, commit_err)
                     target.abort()
         commit_err = comm.broadcast(commit_err, src=0)
@@ -244,7 +234,7 @@ class Saver:
             # Nothing reaches the writer: record the failure so that no rank waits
             # for us; it is reported like any other failure of this save, by the
             # next save() / finalize_pending_saves() on every rank.
-            msg = f"rank {comm.rank}: staging step {step} failed: {_describe(e)}"
+            msg = f"rank {comm.rank}: staging step {step} failed: {describe(e)}"
             log.error("%s", msg)
             try:
                 write_record(done_record(records, comm.rank), {"ok": False, "error": msg})
@@ -258,7 +248,7 @@ class Saver:
             failed = JobResult(p.save_id, False, msg)
         t_end = time.perf_counter()
         return PendingSave(p, job, stall_s=t_end - p.t0, wait_s=t_start - p.t0, stage_s=t_end - t_stage,
-                           t_submit=t_end, t_start=t_start, failed=failed)
+                           t_start=t_start, failed=failed)
 
     def complete(self, pending: PendingSave, result: JobResult, final: str) -> SaveStats:
         """Stats of a finished asynchronous save, or its error."""

@@ -15,11 +15,11 @@ import logging
 import os
 import sys
 import time
-import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from . import storage
+from .errors import describe
 from .format import Manifest, block_crcs
 
 log = logging.getLogger("nostall")
@@ -97,7 +97,6 @@ class JobResult:
     write_s: float = 0.0
     commit_s: float = 0.0
     bytes_written: int = 0
-    timings: Dict[str, float] = field(default_factory=dict)
 
 
 def done_record(records: str, rank: int) -> str:
@@ -106,6 +105,11 @@ def done_record(records: str, rank: int) -> str:
 
 def outcome_record(records: str) -> str:
     return os.path.join(records, "outcome.json")
+
+
+def record_crcs(rec: Dict[str, Any]) -> Crcs:
+    """The piece checksums carried by a successful done record."""
+    return {(n, int(s), int(e)): tuple(c) for n, s, e, c in rec["crcs"]}
 
 
 def write_record(path: str, doc: Dict[str, Any]) -> None:
@@ -122,7 +126,7 @@ def read_record(path: str) -> Optional[Dict[str, Any]]:
         return None
 
 
-def _poll(deadline: float, what: str, check: Any, max_delay: float = 0.1) -> Any:
+def poll_until(deadline: float, what: str, check: Any, max_delay: float = 0.1) -> Any:
     """Call ``check`` until it returns non-None; bounded by ``deadline``.
 
     Backs off to ``max_delay`` between looks, so that many ranks polling a
@@ -160,7 +164,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
             res.bytes_written += f.size
         mine: Dict[str, Any] = {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in crcs.items()]}
     except Exception as e:
-        mine = {"ok": False, "error": f"rank {job.rank}: {_describe(e)}"}
+        mine = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
     res.write_s = time.perf_counter() - t0
     t1 = time.perf_counter()
     try:
@@ -172,10 +176,10 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
                 job.commit.target.retain()  # after the other ranks can know the outcome
         else:
             # rank 0 may take up to the timeout waiting for the slowest rank, then commit
-            outcome = _poll(deadline + _COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
+            outcome = poll_until(deadline + _COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
                             lambda: read_record(outcome_record(job.records)), max_delay=0.5)
     except Exception as e:
-        outcome = {"ok": False, "error": f"rank {job.rank}: {_describe(e)}"}
+        outcome = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
     res.commit_s = time.perf_counter() - t1
     res.ok = bool(outcome.get("ok"))
     if not res.ok:
@@ -207,8 +211,7 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
                     continue
                 pending.discard(r)
                 if rec.get("ok"):
-                    for n, s, e, c in rec["crcs"]:
-                        crcs[(n, int(s), int(e))] = tuple(c)
+                    crcs.update(record_crcs(rec))
                 else:
                     failures.append(str(rec.get("error")))
             if pending:
@@ -232,13 +235,7 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
             target.abort()
         except Exception:
             pass
-        return {"ok": False, "error": f"rank 0: commit of step {job.step} failed: {_describe(e)}"}
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, (OSError, TimeoutError)):
-        return f"{type(e).__name__}: {e}"
-    return f"{type(e).__name__}: {e} ({traceback.format_exc(limit=3).strip().splitlines()[-1]})"
+        return {"ok": False, "error": f"rank 0: commit of step {job.step} failed: {describe(e)}"}
 
 
 # --------------------------------------------------------------------------- the process
