@@ -208,8 +208,13 @@ def clean_leftovers(root: str) -> None:
     for n in names:
         if n == RootLock.NAME:
             continue
-        log.info("removing leftover %s from an interrupted save", os.path.join(tmp, n))
-        storage.remove_tree(os.path.join(tmp, n))
+        path = os.path.join(tmp, n)
+        if os.path.isfile(os.path.join(path, "outcome.json")):
+            # the records of a finished background save, kept until every rank had read them
+            log.debug("removing the records of a finished save: %s", path)
+        else:
+            log.info("removing leftover %s from an interrupted save", path)
+        storage.remove_tree(path)
 
 
 def check_root(root: str) -> None:
