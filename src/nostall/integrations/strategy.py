@@ -353,8 +353,7 @@ class Strategy:
         state: Dict[str, Any] = {"model": model_state(model, self.layout), "layout": layout}
         if optimizer is not None:
             state["optimizer"] = optimizer_state(model, optimizer, self.layout)
-        if scheduler is not None:
-            state["scheduler"] = scheduler.state_dict()
+        state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         if rng:
             state["rng"] = _rng_state()
         state["extra"] = extra

@@ -230,18 +230,19 @@ class Trainer:
             return self.save_checkpoint()
         return None
 
-    def resume(self) -> Optional[int]:
-        """Load the checkpoint named by ``resume``; returns its step (None: started fresh)."""
+    def resume(self, resume: Optional[str] = None) -> Optional[int]:
+        """Load the checkpoint named by ``resume`` (default: the config's); returns its step (None: started fresh)."""
         c = self.cfg
-        if c.resume == "none":
+        resume = c.resume if resume is None else resume
+        if resume == "none":
             return None
-        if c.resume == "latest":
+        if resume == "latest":
             if self.strategy.latest_step(c.ckpt_dir) is None:
                 log.info("rank %d: no checkpoint under %s; starting fresh", self.rank, c.ckpt_dir)
                 return None
             where = c.ckpt_dir
         else:
-            where = c.resume
+            where = resume
         loaded = self.strategy.load_checkpoint(
             where, self.model, self.optimizer, self.scheduler, extra=self._extra_template()
         )
