@@ -1,12 +1,13 @@
 # nostall developer entry points.
 #   make venv   - create .venv (CPU torch pinned first, then the package in editable mode)
-#   make demo   - run the demo
+#   make demo   - the main job: torchrun trainer on 2 CPU ranks, async checkpoints, stop, resume (DEMO_ARGS=...)
 #   make test   - run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
 #   make clean  - remove the venv, build artefacts and caches
 
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS   ?=
+DEMO_ARGS     ?= --plot demo-checkpoints/demo.png
 
 VENV  := .venv
 VPY   := $(VENV)/bin/python
@@ -27,12 +28,12 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: venv
-	$(VPY) -m nostall.demo
+	$(VPY) -m nostall.reference.demo $(DEMO_ARGS)
 
 test: venv
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache
+	rm -rf $(VENV) build dist .pytest_cache demo-checkpoints
 	find . -path ./.git -prune -o -name '*.egg-info' -prune -exec rm -rf {} +
 	find . -path ./.git -prune -o -name '__pycache__' -prune -exec rm -rf {} +

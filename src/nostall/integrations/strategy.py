@@ -399,6 +399,23 @@ class Strategy:
         state["step"] = step
         return self.manager(ckpt_dir).save(step, state, async_save=async_save)
 
+    def prepare_checkpoint(
+        self,
+        ckpt_dir: str,
+        model: torch.nn.Module,
+        optimizer: Optional[torch.optim.Optimizer] = None,
+        scheduler: Any = None,
+        extra: Any = None,
+    ) -> None:
+        """Plan the checkpoint and allocate its host memory ahead of the first save (collective).
+
+        Optional; call it once training state exists (an optimizer's state is
+        created by its first step), with the same structure later saves have.
+        """
+        state = self.build_state(model, optimizer, scheduler, extra)
+        state["step"] = 0
+        self.manager(ckpt_dir).prepare(state)
+
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait until every save started by this strategy is committed, or raise its error.
 
