@@ -58,6 +58,9 @@ class CheckpointManager:
     used from a thread other than the one that created it (e.g. saves requested
     by a trainer thread while another thread generates). Collective calls
     (``save``, ``prepare``) must be made in the same order on every rank.
+    What ``save()`` reads may change once it returns. SIGTERM becomes a normal
+    exit (draining the pending save) only for a manager created on the main
+    thread. See docs/integration.md.
     """
 
     def __init__(
