@@ -40,7 +40,7 @@ from ..errors import CheckpointError, CheckpointLoadError, CheckpointNotFoundErr
 from ..format import MANIFEST_NAME
 from ..handles import SaveHandle
 from ..manager import CheckpointManager
-from ..model import PerRank, ShardedTensor
+from ..model import PerRank, ShardedTensor, is_dtensor
 
 log = logging.getLogger("nostall")
 
@@ -133,17 +133,13 @@ def _shard(t: torch.Tensor, dim: Optional[int], layout: ParallelLayout) -> Any:
     return ShardedTensor(data, tuple(gshape), tuple(offset), replica_id=layout.dp_rank)
 
 
-def _is_dtensor(t: Any) -> bool:
-    return type(t).__name__ == "DTensor"
-
-
 def model_state(model: torch.nn.Module, layout: ParallelLayout) -> Dict[str, Any]:
     """The model's parameters and persistent buffers as nostall leaves, keyed like ``state_dict()``."""
     out: Dict[str, Any] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor):
             raise InvalidStateError(f"model entry {name!r} is a {type(t).__name__}, not a tensor")
-        out[name] = t if _is_dtensor(t) else _shard(t, _tp_dim(t, name), layout)
+        out[name] = t if is_dtensor(t) else _shard(t, _tp_dim(t, name), layout)
     return out
 
 
@@ -197,14 +193,14 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, la
             st = optimizer.state.get(p)
             if not st:
                 continue
-            dim = None if _is_dtensor(p) else _tp_dim(p, name)
+            dim = None if is_dtensor(p) else _tp_dim(p, name)
             leaves: Dict[str, Any] = {}
             for k, v in st.items():
                 where = f"optimizer state {k!r} of parameter {name!r}"
                 if not isinstance(v, torch.Tensor):
                     leaves[k] = _json_hparam(v, where)
-                elif _is_dtensor(v) or (v.shape == p.shape and v.dim() > 0):
-                    leaves[k] = v if _is_dtensor(v) else _shard(v, dim, layout)
+                elif is_dtensor(v) or (v.shape == p.shape and v.dim() > 0):
+                    leaves[k] = v if is_dtensor(v) else _shard(v, dim, layout)
                 elif v.numel() == 1:
                     leaves[k] = v.detach()
                 else:
