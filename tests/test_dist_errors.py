@@ -126,3 +126,29 @@ def _retention_dist(rank, world, root):
 def test_retention_keeps_last_n(tmp_path):
     assert run_ranks(2, _retention_dist, str(tmp_path)) == [[4, 5], [4, 5]]
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_4", "step_5"]
+
+
+def _second_manager(rank, world_size, root):
+    import os
+
+    import nostall
+
+    first = nostall.CheckpointManager(root)
+    try:
+        nostall.CheckpointManager(root)
+    except nostall.CheckpointSaveError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a second manager on a held root was accepted")
+    reader = nostall.CheckpointManager(root, read_only=True)
+    reader.close()
+    first.close()
+    nostall.CheckpointManager(root).close()  # free again once the holder closed
+    return msg, os.getpid()
+
+
+def test_second_job_on_the_same_root_is_refused_on_every_rank(pool2, tmp_path):
+    out = pool2.run(_second_manager, str(tmp_path))
+    holder_pid = out[0][1]
+    for msg, _ in out:
+        assert "in use by another CheckpointManager" in msg and f"pid {holder_pid} on host" in msg

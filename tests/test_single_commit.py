@@ -72,7 +72,7 @@ def test_keep_last_latest_and_load_by_step(tmp_path: Path) -> None:
     with pytest.raises(nostall.CheckpointNotFoundError):
         mgr.load(template(), step=3)
     # a fresh manager on the same root sees the same steps
-    assert nostall.CheckpointManager(tmp_path).steps() == [4, 5]
+    assert nostall.CheckpointManager(tmp_path, read_only=True).steps() == [4, 5]
 
 
 def test_keep_last_none_keeps_everything(tmp_path: Path) -> None:
@@ -118,6 +118,7 @@ def test_uncommitted_step_dir_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(nostall.CheckpointNotFoundError, match="step_9"):
         mgr.load(template(), step=9)
     # a newer manager, and retention, leave it alone: it is not a step at all
+    mgr.close()
     mgr2 = nostall.CheckpointManager(tmp_path, keep_last=1)
     assert mgr2.steps() == [1]
     mgr2.save(2, state_for(2))
@@ -148,8 +149,13 @@ def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     trash.mkdir()
     (trash / "x").write_bytes(b"x")
     assert mgr.steps() == [5]  # a staging dir never counts
-    # a second manager while the first is open must not touch its files
-    other = nostall.CheckpointManager(tmp_path)
+    # a second manager while the first is open is refused, naming the holder, and touches nothing
+    with pytest.raises(nostall.CheckpointSaveError, match=f"in use by another CheckpointManager: pid {os.getpid()}"):
+        nostall.CheckpointManager(tmp_path)
+    other = nostall.CheckpointManager(tmp_path, read_only=True)  # an evaluation job
+    assert_is_step(other.load(template()), 5)
+    with pytest.raises(nostall.CheckpointError, match="read-only"):
+        other.save(6, state_for(6))
     assert left.exists() and trash.exists()
     other.close()
     mgr.close()

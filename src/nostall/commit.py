@@ -24,10 +24,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
+import socket
 import sys
+import time
 import uuid
 from typing import List, Mapping, Optional
 
@@ -330,8 +333,10 @@ class PathTarget(Target):
 class RootLock:
     """Rank 0's claim on a run root for a manager's lifetime (``<root>/.tmp/.lock``).
 
-    Only the holder cleans up leftovers, so a second manager on the same root
-    (an evaluation job that only loads, say) never deletes a save in progress.
+    An advisory ``flock``, released by the kernel when its holder dies, so a
+    crashed job never leaves a stale claim. The holder writes its host, pid
+    and start time into the file, so a refused second job can say who holds it.
+    Only the holder saves and cleans up leftovers.
     """
 
     NAME = ".lock"
@@ -345,6 +350,20 @@ class RootLock:
             self.held = True
         except OSError:
             self.held = False
+            return
+        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, owner, 0)
+
+    def owner(self) -> str:
+        """Who holds the lock, as its holder wrote it (best effort)."""
+        try:
+            with open(self.path, "rb") as f:
+                info = json.loads(f.read(4096) or b"{}")
+            return f"pid {info['pid']} on host {info['host']} (since {info['since']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "an unknown process"
 
     def release(self) -> None:
         if self.fd is not None:

@@ -53,6 +53,13 @@ class CheckpointManager:
             ``finalize_pending_saves()``, ``load()`` or ``close()``;
             ``"log"``: it is logged and training goes on.
         block_size: checksum block size in bytes (granularity of partial reads).
+        read_only: only list and load (an evaluation job beside the training
+            job): no root claim, no cleanup, no writer; ``save`` raises.
+
+    One manager saves to a root at a time: creating a second (not read-only)
+    manager on a root that another live manager holds raises
+    :class:`~nostall.CheckpointSaveError` naming the holder's host and pid, on
+    every rank of the group.
 
     Thread safety: calls are serialised by an internal lock; a manager may be
     used from a thread other than the one that created it (e.g. saves requested
@@ -73,6 +80,7 @@ class CheckpointManager:
         timeout: float = 600.0,
         errors: str = "raise",
         block_size: int = DEFAULT_BLOCK_SIZE,
+        read_only: bool = False,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
@@ -85,7 +93,8 @@ class CheckpointManager:
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
         self.timeout = float(timeout)
-        self.async_save = bool(async_save)
+        self.async_save = bool(async_save) and not read_only
+        self.read_only = bool(read_only)
         self.errors = errors
         self._lock = threading.RLock()
         self._closed = False
@@ -98,17 +107,8 @@ class CheckpointManager:
         self._comm: Comm = make_comm(process_group, self.timeout, own_group=True)
         try:
             self._saver = Saver(self._comm, block_size, self.timeout)
-            if self._comm.rank == 0:
-                commit.check_root(self.root)
-                os.makedirs(self.root, exist_ok=True)
-                self._root_lock = commit.RootLock(self.root)
-                if self._root_lock.held:
-                    commit.clean_leftovers(self.root)
-                else:
-                    log.warning(
-                        "another CheckpointManager holds %s; leaving its in-progress files alone "
-                        "(two managers must not save to one root at the same time)", self.root,
-                    )
+            if not self.read_only:
+                self._claim_root()
             if self.async_save:
                 self._writer = BackgroundWriter(self._comm.rank, self.timeout)
         except BaseException:
@@ -128,6 +128,31 @@ class CheckpointManager:
         if self.async_save and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, _sigterm_to_exit)
+
+    def _claim_root(self) -> None:
+        """Rank 0 claims the root (or finds why it cannot); every rank raises the same error."""
+        error: Optional[str] = None
+        if self._comm.rank == 0:
+            try:
+                commit.check_root(self.root)
+                os.makedirs(self.root, exist_ok=True)
+                lock = commit.RootLock(self.root)
+                if lock.held:
+                    self._root_lock = lock
+                    commit.clean_leftovers(self.root)
+                else:
+                    error = (
+                        f"checkpoint root {self.root} is in use by another CheckpointManager: "
+                        f"{lock.owner()}. Two jobs must not save to one root; to only read its "
+                        "checkpoints, pass read_only=True"
+                    )
+                    lock.release()
+            except (OSError, CheckpointError) as e:
+                error = f"cannot use checkpoint root {self.root}: {e}"
+        if self._comm.size > 1:
+            error = self._comm.broadcast(error)
+        if error is not None:
+            raise CheckpointSaveError(error)
 
     # ------------------------------------------------------------------ info
     @property
@@ -171,7 +196,7 @@ class CheckpointManager:
         Optional: the first ``save()`` otherwise does it.
         """
         with self._lock:
-            self._check_open()
+            self._check_open(writing=True)
             p = self._saver.prepare(state, commit.NoTarget(), None)
             if self._writer is not None:
                 from .staging import layout
@@ -199,7 +224,7 @@ class CheckpointManager:
         use_async = self.async_save if async_save is None else bool(async_save)
         t_call = time.perf_counter()
         with self._lock:
-            self._check_open()
+            self._check_open(writing=True)
             self.finalize_pending_saves()
             target = commit.StepTarget(self.root, step, self.keep_last)
             if not use_async:
@@ -337,9 +362,11 @@ class CheckpointManager:
         except Exception as e:
             log.error("rank %d: while closing the checkpoint manager at exit: %s", self.rank, e)
 
-    def _check_open(self) -> None:
+    def _check_open(self, writing: bool = False) -> None:
         if self._closed:
             raise CheckpointError(f"CheckpointManager({self.root!r}) is closed")
+        if writing and self.read_only:
+            raise CheckpointError(f"CheckpointManager({self.root!r}) is read-only: it cannot save")
 
     def __enter__(self) -> "CheckpointManager":
         return self
