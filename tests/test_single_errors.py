@@ -675,3 +675,66 @@ def test_manifest_objects_are_plain_data(ckpt: Path, tmp_path: Path, no_unpickli
     assert out["epoch"] == evil
     assert out["opt"]["param_groups"] == _payload(marker).decode("latin-1")
     assert not marker.exists()
+
+
+def test_verify_reports_every_problem_not_only_the_first(tmp_path: Path, capsys) -> None:
+    """Two damaged tensors in one file and a missing file of another rank: all three are reported."""
+    ckpt = tmp_path / "multi"
+    nostall.save(good_state(), str(ckpt))
+    flip_byte(ckpt, "w")
+    flip_byte(ckpt, "opt/state/0/m")
+    doc = manifest(ckpt)
+    doc["files"]["rank7.safetensors"] = {"rank": 0, "size": 64}
+    write_manifest(ckpt, doc)
+    assert cli_main(["verify", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err
+    assert "key 'w'" in err and "key 'opt/state/0/m'" in err
+    assert "rank7.safetensors: data file missing" in err
+
+
+def test_symlinked_data_file_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    """A data file replaced by a symlink (to a file outside the checkpoint) is never read."""
+    outside = tmp_path / "outside.bin"
+    data = ckpt / "rank0.safetensors"
+    outside.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(outside)
+    with pytest.raises(nostall.CheckpointCorruptError, match="symbolic link"):
+        nostall.load(good_template(), str(ckpt))
+
+
+def test_symlinked_manifest_is_refused(ckpt: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "manifest-elsewhere.json"
+    outside.write_bytes((ckpt / "manifest.json").read_bytes())
+    (ckpt / "manifest.json").unlink()
+    (ckpt / "manifest.json").symlink_to(outside)
+    with pytest.raises(nostall.CheckpointLoadError, match="symbolic link"):
+        nostall.load(good_template(), str(ckpt))
+
+
+def test_huge_declared_header_is_refused_before_reading(ckpt: Path, monkeypatch) -> None:
+    """A header length of 2**40 bytes is rejected without allocating it."""
+    from nostall import storage
+
+    f = ckpt / "rank0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[:8] = (1 << 40).to_bytes(8, "little")
+    f.write_bytes(bytes(raw))
+    asked = []
+    real = storage.read_exact
+    monkeypatch.setattr(storage, "read_exact", lambda fd, off, n, p, into=None: asked.append(n) or real(fd, off, n, p, into))
+    report = __import__("nostall.loading", fromlist=["x"]).check_checkpoint(str(ckpt))
+    assert any("header length" in p for p in report.problems)
+    assert max(asked) < 1 << 21
+
+
+def test_huge_manifest_is_refused_before_reading(ckpt: Path, monkeypatch) -> None:
+    from nostall import format as fmt
+    from nostall import loading
+
+    monkeypatch.setattr(loading, "MAX_MANIFEST_BYTES", 100)
+    assert (ckpt / "manifest.json").stat().st_size > 100
+    with pytest.raises(nostall.CheckpointLoadError, match="more than the 100 accepted"):
+        nostall.load(good_template(), str(ckpt))
+    assert fmt.MAX_MANIFEST_BYTES >= 1 << 30

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 from . import commit
 from .errors import CheckpointError
 from .format import Manifest
-from .loading import read_manifest, verify_checkpoint
+from .loading import check_checkpoint, read_manifest
 
 
 def _resolve(path: str) -> str:
@@ -89,8 +89,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     path = _resolve(args.path)
-    nfiles, nbytes = verify_checkpoint(path)
-    print(f"OK  {os.path.abspath(path)}: {nfiles} file(s), {_human(nbytes)} of tensor data, every checksum matches")
+    report = check_checkpoint(path)
+    where = os.path.abspath(path)
+    if report.problems:
+        print(f"FAILED  {where}: {len(report.problems)} problem(s)", file=sys.stderr)
+        for problem in report.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 1
+    print(f"OK  {where}: {report.files} file(s), {_human(report.bytes)} of tensor data, every checksum matches")
     return 0
 
 

@@ -103,6 +103,12 @@ def layout_file(entries: Sequence[FileEntry], metadata: Mapping[str, str]) -> Tu
     return prefix + text, absolute, data_start + pos
 
 
+MAX_HEADER_BYTES = 100 << 20
+"""Largest safetensors header accepted (the safetensors library's own limit)."""
+MAX_MANIFEST_BYTES = 1 << 30
+"""Largest manifest read; anything bigger is refused before it is read."""
+
+
 def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
     """Parse a safetensors header from the first bytes of a file.
 
@@ -112,7 +118,7 @@ def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
     if len(raw) < 8:
         raise CheckpointCorruptError(f"{path}: too short for a safetensors header")
     (n,) = struct.unpack("<Q", raw[:8])
-    if n > 100 << 20 or len(raw) < 8 + n:
+    if n > MAX_HEADER_BYTES or len(raw) < 8 + n:
         raise CheckpointCorruptError(f"{path}: safetensors header length {n} is invalid or truncated")
     try:
         header = json.loads(raw[8 : 8 + n])

@@ -20,7 +20,16 @@ from . import storage
 from ._tensorbuf import byte_view
 from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError
 from ._dtypes import torch_dtype
-from .format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc, parse_file_header
+from .format import (
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    PieceRecord,
+    TensorRecord,
+    crc,
+    parse_file_header,
+)
 from .model import PerRank, ShardedTensor, dtensor_box, is_dtensor, numel, walk, walk_value
 
 log = logging.getLogger("nostall")
@@ -35,7 +44,7 @@ def read_manifest(path: str) -> Manifest:
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     mpath = os.path.join(path, MANIFEST_NAME)
     try:
-        raw = storage.read_whole(mpath)
+        raw = storage.read_whole(mpath, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
@@ -67,9 +76,11 @@ class _Files:
         if fd is None:
             path = os.path.join(self.dir, name)
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                fd = storage.open_regular(path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path}: data file missing") from None
+            except OSError as e:
+                raise CheckpointCorruptError(f"{path}: cannot open the data file: {e.strerror}") from None
             size = os.fstat(fd).st_size
             want = self.manifest.files[name].size
             if size != want:
@@ -258,12 +269,27 @@ def load_state(
     return restored
 
 
-def verify_checkpoint(path: str) -> Tuple[int, int]:
-    """Re-read every byte of every data file and check every checksum.
+@dataclass
+class VerifyReport:
+    """What :func:`check_checkpoint` found: every problem, not only the first."""
 
-    Returns (files, bytes) checked; raises CheckpointCorruptError naming the
-    bad file otherwise. Also checks each file's safetensors header against
-    the manifest.
+    path: str
+    files: int
+    bytes: int
+    problems: List[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check_checkpoint(path: str) -> VerifyReport:
+    """Re-read every byte of every data file, check every checksum and header; collect every problem.
+
+    A manifest that cannot be read or parsed raises (nothing else can be
+    checked without it); problems in data files are collected, one per file
+    that cannot be read and one per damaged piece (with its count of bad
+    blocks), and checking goes on with the next piece or file.
     """
     m = read_manifest(path)
     files = _Files(path, m)
@@ -271,37 +297,62 @@ def verify_checkpoint(path: str) -> Tuple[int, int]:
     for rec in list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]:
         for p in rec.pieces:
             pieces.setdefault(p.file, []).append((rec, p))
+    problems: List[str] = []
     total = 0
     try:
         for name in sorted(m.files):
-            fd = files.fd(name)
             fpath = os.path.join(path, name)
-            head = storage.read_exact(fd, 0, min(m.files[name].size, 1 << 20), fpath)
-            header, data_start = _header(head, fd, fpath, m.files[name].size)
+            try:
+                fd = files.fd(name)
+                head = storage.read_exact(fd, 0, min(m.files[name].size, 1 << 20), fpath)
+                header, data_start = _header(head, fd, fpath, m.files[name].size)
+            except (CheckpointCorruptError, OSError) as e:
+                problems.append(str(e))
+                continue
             ranges = {}
             for k, v in header.items():
-                if k != "__metadata__":
-                    ranges[(data_start + v["data_offsets"][0], data_start + v["data_offsets"][1])] = v
+                if k != "__metadata__" and isinstance(v, dict):
+                    offs = v.get("data_offsets")
+                    if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
+                        ranges[(data_start + offs[0], data_start + offs[1])] = v
             for rec, p in sorted(pieces.get(name, []), key=lambda x: x[1].start):
                 h = ranges.get((p.start, p.end))
                 if h is None or h.get("dtype") != rec.dtype or tuple(h.get("shape", ())) != tuple(p.shape):
-                    raise CheckpointCorruptError(
-                        f"{fpath}: safetensors header does not match the manifest for key {rec.key!r}"
+                    problems.append(f"{fpath}: safetensors header does not match the manifest for key {rec.key!r}")
+                bad = _bad_blocks(fd, p, rec, fpath, m.block_size, problems)
+                if bad:
+                    lo = p.start + bad[0] * m.block_size
+                    problems.append(
+                        f"{fpath}: checksum mismatch in {len(bad)} of {len(p.crc32c)} block(s) of key {rec.key!r} "
+                        f"(piece at offset {list(p.offset)}), the first at bytes "
+                        f"[{lo}, {min(lo + m.block_size, p.end)})"
                     )
-                for lo in range(0, p.nbytes, _READ_CHUNK):
-                    n = min(_READ_CHUNK, p.nbytes - lo)
-                    buf = storage.read_exact(fd, p.start + lo, n, fpath)
-                    _check_blocks(buf, lo // m.block_size, p, rec, fpath, m.block_size)
                 total += p.nbytes
     finally:
         files.close()
-    return len(m.files), total
+    return VerifyReport(path, len(m.files), total, problems)
+
+
+def _bad_blocks(fd: int, p: PieceRecord, rec: TensorRecord, fpath: str, bs: int, problems: List[str]) -> List[int]:
+    bad: List[int] = []
+    for lo in range(0, p.nbytes, _READ_CHUNK):
+        n = min(_READ_CHUNK, p.nbytes - lo)
+        try:
+            buf = storage.read_exact(fd, p.start + lo, n, fpath)
+        except (CheckpointCorruptError, OSError) as e:
+            problems.append(f"{e} (key {rec.key!r})")
+            return bad
+        for i in range(0, n, bs):
+            b = (lo + i) // bs
+            if crc(buf[i : i + bs]) != p.crc32c[b]:
+                bad.append(b)
+    return bad
 
 
 def _header(head: memoryview, fd: int, path: str, size: int) -> Tuple[Dict[str, Any], int]:
     raw = bytes(head)
     if len(raw) >= 8:
         (n,) = struct.unpack("<Q", raw[:8])
-        if 8 + n > len(raw) and 8 + n <= size:
+        if 8 + n > len(raw) and n <= MAX_HEADER_BYTES and 8 + n <= size:
             raw = bytes(storage.read_exact(fd, 0, 8 + n, path))
     return parse_file_header(raw, path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from typing import Iterable, Optional
 
 from .errors import CheckpointCorruptError
@@ -76,9 +77,30 @@ def read_exact(fd: int, offset: int, length: int, path: str, into: Optional[memo
     return buf[:length]
 
 
-def read_whole(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def open_regular(path: str) -> int:
+    """Open a file of a checkpoint for reading; a symlink is refused (ELOOP), nothing else followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "is a symbolic link; checkpoint files must be regular files", path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
+def read_whole(path: str, limit: int) -> bytes:
+    """A whole regular file of at most ``limit`` bytes (checked before reading)."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise OSError(errno.EFBIG, f"{size} bytes, more than the {limit} accepted", path)
+        return bytes(read_exact(fd, 0, size, path)) if size else b""
+    finally:
+        os.close(fd)
 
 
 def remove_tree(path: str) -> None:
