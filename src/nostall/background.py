@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any, Optional
 
+from ._faults import ROLE_ENV
 from .errors import CheckpointError
 from .format import MANIFEST_NAME
 from .staging import StagingArea
@@ -41,7 +42,7 @@ log = logging.getLogger("nostall")
 _POLL_S = 0.1
 # A fresh interpreter running nostall.writer.main (imported, so that the
 # messages it pickles name nostall.writer's classes, not __main__'s).
-_WRITER_MAIN = "import sys; from nostall.writer import main; sys.exit(main(int(sys.argv[1])))"
+_WRITER_MAIN = "import sys; from nostall.writer import main; sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))"
 
 
 class WriterDied(CheckpointError):
@@ -93,9 +94,10 @@ class BackgroundWriter:
         env = dict(os.environ)
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env[ROLE_ENV] = "writer"
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WRITER_MAIN, str(child.fileno())],
+                [sys.executable, "-c", _WRITER_MAIN, str(child.fileno()), str(os.getpid())],
                 pass_fds=[child.fileno()],
                 stdin=subprocess.DEVNULL,
                 env=env,

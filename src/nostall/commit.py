@@ -36,6 +36,7 @@ from typing import List, Mapping, Optional
 
 from . import storage
 from .errors import CheckpointSaveError
+from ._faults import crash_point
 from .format import MANIFEST_NAME
 
 log = logging.getLogger("nostall")
@@ -129,7 +130,8 @@ def check_files(staging: str, files: Mapping[str, int]) -> None:
             raise CheckpointSaveError(f"{path} has {got} bytes at commit time, {size} planned")
 
 
-def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int], trash: str) -> None:
+def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int], trash: str,
+            step: Optional[int] = None) -> None:
     """Rank 0: check the data files, write the manifest last, move into place.
 
     The rename is the commit point: errors before it raise (nothing is
@@ -140,6 +142,7 @@ def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int],
     check_files(staging, files)
     storage.write_file(os.path.join(staging, MANIFEST_NAME), [memoryview(manifest)])
     storage.fsync_dir(staging)
+    crash_point("commit.manifest", step)
     parent = os.path.dirname(os.path.abspath(final))
     old = None
     if os.path.exists(final):
@@ -152,6 +155,7 @@ def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int],
             os.rename(staging, final)
     else:
         os.rename(staging, final)
+    crash_point("commit.renamed", step)
     try:  # past the commit point
         storage.fsync_dir(parent)
         if old is not None:
@@ -193,6 +197,7 @@ def apply_retention(root: str, keep_last: Optional[int], just_committed: int) ->
         except OSError as e:
             log.warning("retention: could not remove %s: %s", path, e)
             continue
+        crash_point("retain.moved", just_committed)
         storage.remove_tree(trash)
         deleted.append(s)
     if deleted:
@@ -285,7 +290,7 @@ class StepTarget(Target):
         remove_stale_staging(self.root, self.step)
 
     def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
-        publish(self.staging, self.final, manifest, files, _trash_path(self.root))
+        publish(self.staging, self.final, manifest, files, _trash_path(self.root), self.step)
         self.point_latest()
 
     def point_latest(self) -> None:

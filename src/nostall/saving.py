@@ -25,6 +25,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ._comm import Comm
+from ._faults import crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
 from .commit import Target
@@ -153,6 +154,7 @@ class Saver:
         comm = self.comm
         t_start = time.perf_counter()
         p = self.prepare(state, target, step, t_call)
+        crash_point("planned", step)
         crcs: Optional[Crcs] = None
         nbytes = 0
         err = None
@@ -171,6 +173,7 @@ class Saver:
             err = f"writing into {target.staging}: {describe(e)}"
             log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
         t_write = time.perf_counter()
+        crash_point("written", step)
         outcomes = comm.all_gather((err, crcs))
         write_errors = [o[0] for o in outcomes]
 
@@ -215,6 +218,7 @@ class Saver:
         comm = self.comm
         t_start = time.perf_counter()
         p = self.prepare(state, target, step, t_call)
+        crash_point("planned", step)
         records = records_prefix + p.save_id
         writer.ensure_alive()
         files = p.plan.files_of(comm.rank)
@@ -229,6 +233,7 @@ class Saver:
         failed: Optional[JobResult] = None
         try:
             job.files = writer.area.stage(files, lambda item: source_tensor(p.flat, item))
+            crash_point("staged", step)
             writer.submit(job)
         except BaseException as e:
             # Nothing reaches the writer: record the failure so that no rank waits

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from . import storage
+from ._faults import crash_point
 from .errors import describe
 from .format import Manifest, block_crcs
 
@@ -155,6 +156,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
         if job.test_fault == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device (test fault)", job.staging)
         os.makedirs(job.staging, exist_ok=True)
+        crash_point("write.start", job.step)
         for f in job.files:
             header = bytes(area[f.area_offset : f.area_offset + f.header_size])
             parts = [(s, area[f.area_offset + s : f.area_offset + e]) for s, e in f.pieces]
@@ -166,6 +168,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     except Exception as e:
         mine = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
     res.write_s = time.perf_counter() - t0
+    crash_point("write.done", job.step)
     t1 = time.perf_counter()
     try:
         write_record(done_record(job.records, job.rank), mine)
@@ -228,6 +231,7 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
             target.abort()
             return {"ok": False, "error": f"save of step {job.step} failed: " + "; ".join(failures)}
         m = job.commit.manifest
+        crash_point("commit.ready", job.step)
         target.publish(m.with_crcs(crcs).to_json_bytes(), {n: f.size for n, f in m.files.items()})
         return {"ok": True}
     except Exception as e:
@@ -259,8 +263,30 @@ def _lower_priority() -> None:
             pass
 
 
-def main(fd: int) -> int:
-    """The writer process: serve jobs from the trainer over the socket ``fd``."""
+def _exit_with_trainer(trainer_pid: int) -> None:
+    """A daemon thread that kills this process once the trainer is gone.
+
+    A writer must never outlive its trainer: an orphan still writing or
+    committing could touch a root that a restarted job has taken over. (Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that started us exits.)
+    """
+    import signal
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != trainer_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, name="nostall-trainer-watch", daemon=True).start()
+
+
+def main(fd: int, trainer_pid: int = 0) -> int:
+    """The writer process: serve jobs from the trainer over the socket ``fd``.
+
+    Dies with its trainer (``trainer_pid``, when given).
+    """
     import mmap
     import signal
     import socket
@@ -272,6 +298,8 @@ def main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _lower_priority()
+    if trainer_pid:
+        _exit_with_trainer(trainer_pid)
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     area: Optional[mmap.mmap] = None
