@@ -88,10 +88,16 @@ def make_comm(process_group: Optional[Any], timeout: float, own_group: bool) -> 
         return _TorchComm(group, owned=False, timeout=timeout)
     ranks = dist.get_process_group_ranks(group)
     td = datetime.timedelta(seconds=timeout)
-    if group is dist.group.WORLD or group is None:
-        sub = dist.new_group(backend="gloo", timeout=td)
-    else:
-        sub = dist.new_group(ranks=ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    try:
+        if group is dist.group.WORLD or group is None:
+            sub = dist.new_group(backend="gloo", timeout=td)
+        else:
+            sub = dist.new_group(ranks=ranks, backend="gloo", timeout=td, use_local_synchronization=True)
+    except Exception as e:  # gloo raises RuntimeError when a member is missing or gone
+        raise CheckpointError(
+            f"rank {dist.get_rank()}: creating the checkpoint manager's gloo group over ranks {ranks} "
+            f"failed (did a rank die or not call it?): {e}"
+        ) from e
     comm = _TorchComm(sub, owned=True, timeout=timeout)
     # Every member finishes connecting before anyone may use -- or destroy -- the
     # group: a rank that closes a manager right away must not break a slower

@@ -186,6 +186,7 @@ class Saver:
                     merged: Crcs = {}
                     for o in outcomes:
                         merged.update(o[1])
+                    crash_point("commit.ready", step)
                     target.publish(self._skeleton(p).with_crcs(merged).to_json_bytes(), p.plan.file_sizes())
                 except Exception as e:
                     commit_err = f"commit of {target.final}: {describe(e)}"

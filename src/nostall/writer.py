@@ -331,7 +331,10 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                     result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
                 else:
                     result = run_job(job, view)
-                conn.send(("result", result))
+                try:
+                    conn.send(("result", result))
+                except OSError:
+                    return 0  # the trainer is gone
             elif op == "ping":
                 conn.send(("pong", os.getpid()))
     finally:
