@@ -92,6 +92,14 @@ def latest_step(root: str) -> Optional[int]:
     return steps[-1] if steps else None
 
 
+def check_staging(staging: str) -> None:
+    """Raise a clear error if a save's staging directory vanished (rank 0 creates it before the plan)."""
+    if not os.path.isdir(staging):
+        raise FileNotFoundError(
+            errno.ENOENT, "the save's staging directory is gone (was the checkpoint directory deleted?)", staging
+        )
+
+
 def remove_stale_staging(root: str, step: int) -> None:
     """Rank 0, before a save: drop what an interrupted save of ``step`` left."""
     path = staging_dir(root, step)
@@ -247,8 +255,8 @@ class Target:
         raise NotImplementedError
 
     def open_staging(self) -> None:
-        """Every rank, once the plan is valid: make sure the staging directory exists."""
-        os.makedirs(self.staging, exist_ok=True)
+        """Every rank, once the plan is valid: the staging directory rank 0 made must still be there."""
+        check_staging(self.staging)
 
     def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
         """Rank 0, once every rank's data is durable: the commit (see :func:`publish`)."""
@@ -273,6 +281,9 @@ class NoTarget(Target):
     def prepare(self) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
 
 class StepTarget(Target):
     """``<root>/step_<N>`` of a manager: commit, ``latest``, then retention."""
@@ -288,6 +299,7 @@ class StepTarget(Target):
         check_root(self.root)
         os.makedirs(self.root, exist_ok=True)
         remove_stale_staging(self.root, self.step)
+        os.makedirs(self.staging)
 
     def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
         publish(self.staging, self.final, manifest, files, _trash_path(self.root), self.step)
@@ -329,6 +341,7 @@ class PathTarget(Target):
         os.makedirs(os.path.dirname(self.final), exist_ok=True)
         if os.path.exists(self.staging):
             storage.remove_tree(self.staging)
+        os.makedirs(self.staging)
 
     def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
         parent, name = os.path.split(self.final)

@@ -117,6 +117,17 @@ class Saver:
                 target.prepare()
             except (OSError, CheckpointError) as e:
                 target_err = f"cannot save to {target.final}: {describe(e)}"
+        try:
+            return self._plan_round(state_err, target_err, sig, flat, meta, step, t0)
+        except BaseException:
+            if comm.rank == 0 and state_err is None and target_err is None:
+                target.abort()  # the staging directory rank 0 made for this save
+            raise
+
+    def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
+                    meta: Any, step: Optional[int], t0: float) -> Prepared:
+        """Exchange every rank's outcome and signature; plan (or reuse the cached plan)."""
+        comm = self.comm
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
         save_id = uuid.uuid4().hex if comm.rank == 0 else ""
         round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))

@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from . import storage
 from ._faults import crash_point
+from .commit import check_staging
 from .errors import describe
 from .format import Manifest, block_crcs
 
@@ -155,7 +156,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
             time.sleep(job.test_delay_s)
         if job.test_fault == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device (test fault)", job.staging)
-        os.makedirs(job.staging, exist_ok=True)
+        check_staging(job.staging)
         crash_point("write.start", job.step)
         for f in job.files:
             header = bytes(area[f.area_offset : f.area_offset + f.header_size])
@@ -167,6 +168,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
         mine: Dict[str, Any] = {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in crcs.items()]}
     except Exception as e:
         mine = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
+        _remove_own_files(job)  # first: on a full disk, the done record needs the space back
     res.write_s = time.perf_counter() - t0
     crash_point("write.done", job.step)
     t1 = time.perf_counter()
@@ -186,10 +188,29 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     res.commit_s = time.perf_counter() - t1
     res.ok = bool(outcome.get("ok"))
     if not res.ok:
+        _remove_own_files(job)
         res.error = outcome.get("error") or "unknown error"
         if not mine.get("ok") and mine.get("error") not in res.error:
             res.error = f"{mine['error']}; {res.error}"
     return res
+
+
+def _remove_own_files(job: SaveJob) -> None:
+    """After a failed save: delete what this rank wrote into the staging directory.
+
+    Rank 0 removes the directory when it aborts, but a rank still writing then
+    (it learns of the failure later) would leave its files behind, holding
+    space on a disk that may be full.
+    """
+    for f in job.files:
+        try:
+            os.unlink(os.path.join(job.staging, f.name))
+        except OSError:
+            pass
+    try:
+        os.rmdir(job.staging)  # the last rank out removes the directory
+    except OSError:
+        pass
 
 
 def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
