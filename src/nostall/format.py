@@ -122,7 +122,7 @@ def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
         raise CheckpointCorruptError(f"{path}: safetensors header length {n} is invalid or truncated")
     try:
         header = json.loads(raw[8 : 8 + n])
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointCorruptError(f"{path}: safetensors header is not an object")
@@ -226,13 +226,13 @@ class Manifest:
     def from_json_bytes(cls, raw: bytes, path: str) -> "Manifest":
         try:
             doc = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise CheckpointCorruptError(f"{path}: manifest is not valid JSON ({e})") from None
         try:
             return cls._from_doc(doc, path)
         except CheckpointCorruptError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
             raise CheckpointCorruptError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
 
     @classmethod
