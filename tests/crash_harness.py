@@ -130,6 +130,7 @@ class Trial:
     latest_after: Optional[int] = None
     exit_codes: List[Optional[int]] = field(default_factory=list)
     exit_s: float = 0.0
+    after_kill_s: Optional[float] = None  # kill trials: from the kill to the last rank's exit
     hit: bool = False  # the crash happened (a crash point reached, or a kill while the victim ran)
     problems: List[str] = field(default_factory=list)
 
@@ -154,10 +155,13 @@ class Report:
         lost = sum(1 for t in self.trials if any("lost" in p or "load" in p for p in t.problems))
         hangs = sum(1 for t in self.trials if any("hang" in p for p in t.problems))
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(by.items()))
+        waits = [t.after_kill_s for t in self.trials if t.after_kill_s is not None]
+        slowest = f"{max(waits):.1f}s" if waits else "n/a"
         return (
             f"crash trials: {len(self.trials)} in {self.seconds:.0f}s (seed {self.seed}; {kinds}); "
             f"a process was killed mid-job in {hits}; "
             f"a new checkpoint committed in {advanced}; checkpoints lost: {lost}; hangs: {hangs}; "
+            f"slowest exit after a kill: {slowest} (manager timeout {TIMEOUT_S:g}s); "
             f"trials with problems: {len(self.failures)}"
         )
 
@@ -291,6 +295,7 @@ def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
                     if not victims:
                         trial.detail += " (not started yet: killed its trainer)"
                         victims = [procs[int(r)].pid]
+                t_kill = time.monotonic()
                 for v in victims:
                     if _alive(v):
                         os.kill(v, signal.SIGKILL)
@@ -302,6 +307,8 @@ def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
             for p in procs:
                 p.join(max(0.0, bound - (time.monotonic() - t0)))
             trial.exit_s = time.monotonic() - t0
+            if mode == "kill" and trial.hit:
+                trial.after_kill_s = time.monotonic() - t_kill
             for p in procs:
                 if p.is_alive():
                     trial.problems.append(f"hang: rank process {p.pid} still running after {bound:.0f}s")

@@ -13,8 +13,12 @@ import pytest
 from tests.crash_harness import COMMIT_POINTS, TRAINER_POINTS, WRITER_POINTS, run_trials
 
 
+TRIALS = int(os.environ.get("NOSTALL_CRASH_TRIALS", "52"))
+
+
+@pytest.mark.timeout(max(300, 4 * TRIALS))
 def test_crash_consistency_trials(capsys, tmp_path):
-    n = int(os.environ.get("NOSTALL_CRASH_TRIALS", "52"))
+    n = TRIALS
     seed = int(os.environ.get("NOSTALL_CRASH_SEED", "20261201"))
     report = run_trials(n, seed)
     with capsys.disabled():

@@ -329,35 +329,32 @@ def main(fd: int, trainer_pid: int = 0) -> int:
         while True:
             try:
                 msg = conn.recv()
-            except (EOFError, OSError):
-                return 0  # the trainer is gone
-            op = msg[0]
-            if op == "stop":
-                conn.send(("stopped",))
-                return 0
-            if op == "attach":
-                size = msg[1]
-                (afd,) = recvfds(sock, 1)
-                if view is not None:
-                    view.release()
-                if area is not None:
-                    area.close()
-                area = mmap.mmap(afd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-                os.close(afd)
-                view = memoryview(area)
-                conn.send(("attached", size))
-            elif op == "save":
-                job: SaveJob = msg[1]
-                if view is None:
-                    result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
-                else:
-                    result = run_job(job, view)
-                try:
+                op = msg[0]
+                if op == "stop":
+                    conn.send(("stopped",))
+                    return 0
+                if op == "attach":
+                    size = msg[1]
+                    (afd,) = recvfds(sock, 1)
+                    if view is not None:
+                        view.release()
+                    if area is not None:
+                        area.close()
+                    area = mmap.mmap(afd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    os.close(afd)
+                    view = memoryview(area)
+                    conn.send(("attached", size))
+                elif op == "save":
+                    job: SaveJob = msg[1]
+                    if view is None:
+                        result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
+                    else:
+                        result = run_job(job, view)
                     conn.send(("result", result))
-                except OSError:
-                    return 0  # the trainer is gone
-            elif op == "ping":
-                conn.send(("pong", os.getpid()))
+                elif op == "ping":
+                    conn.send(("pong", os.getpid()))
+            except (EOFError, OSError):
+                return 0  # the trainer is gone (its end of the socket is closed)
     finally:
         if view is not None:
             view.release()

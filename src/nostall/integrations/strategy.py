@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from .. import commit
 from ..api import load as _load_path
@@ -79,8 +80,6 @@ class ParallelLayout:
 
 
 def _world_size(process_group: Any) -> int:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(process_group)
     return 1
