@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
@@ -32,9 +32,16 @@ def save(state: Any, path: str, *, process_group: Any = None, timeout: float = 6
 
 
 def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
-         process_group: Any = None) -> Any:
-    """Fill ``state`` from the checkpoint directory ``path``; see CheckpointManager.load."""
+         process_group: Any = None, storage_options: Optional[Dict[str, Any]] = None) -> Any:
+    """Fill ``state`` from the checkpoint at ``path``; see CheckpointManager.load.
+
+    ``path`` is a directory or an object-storage URL such as
+    ``s3://bucket/run/step_100`` (any fsspec protocol whose package is
+    installed; ``storage_options`` go to fsspec). Each rank fetches only the
+    byte ranges its template needs, and verifies them.
+    """
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    return load_state(state, os.fspath(path), rank=rank, world_size=world, verify=verify, per_rank=per_rank)
+    return load_state(state, os.fspath(path), rank=rank, world_size=world, verify=verify, per_rank=per_rank,
+                      storage_options=storage_options)

@@ -16,9 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import storage
+from . import remote, storage
 from ._tensorbuf import byte_view
-from .errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, CheckpointNotFoundError
 from ._dtypes import torch_dtype
 from .format import (
     MANIFEST_NAME,
@@ -38,8 +38,17 @@ Shape = Tuple[int, ...]
 _READ_CHUNK = 64 << 20
 
 
-def read_manifest(path: str) -> Manifest:
-    """The manifest of the committed checkpoint at ``path``."""
+def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
+    """The manifest of the committed checkpoint at ``path`` (a directory or an object-storage URL)."""
+    if remote.is_remote(path):
+        mpath = f"{path.rstrip('/')}/{MANIFEST_NAME}"
+        try:
+            raw = remote.read_small(mpath, MAX_MANIFEST_BYTES, storage_options)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(
+                f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
+            ) from None
+        return Manifest.from_json_bytes(raw, mpath)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
     mpath = os.path.join(path, MANIFEST_NAME)
@@ -64,17 +73,20 @@ class _Read:
 
 
 class _Files:
-    """Open data files of one checkpoint, checked against the manifest sizes."""
+    """The data files of one local checkpoint, opened on first use and checked against the manifest sizes."""
 
     def __init__(self, directory: str, manifest: Manifest) -> None:
         self.dir = directory
         self.manifest = manifest
         self.fds: Dict[str, int] = {}
 
-    def fd(self, name: str) -> int:
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _fd(self, name: str) -> int:
         fd = self.fds.get(name)
         if fd is None:
-            path = os.path.join(self.dir, name)
+            path = self.path(name)
             try:
                 fd = storage.open_regular(path)
             except FileNotFoundError:
@@ -89,10 +101,20 @@ class _Files:
             self.fds[name] = fd
         return fd
 
+    def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        return storage.read_exact(self._fd(name), offset, length, self.path(name), into)
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]]) -> Any:
+    """The data-file source of the checkpoint at ``path``: local files or ranged object reads."""
+    if remote.is_remote(path):
+        return remote.RemoteFiles(path, {n: f.size for n, f in m.files.items()}, storage_options)
+    return _Files(path, m)
 
 
 def _check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str, bs: int) -> None:
@@ -107,12 +129,10 @@ def _check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: Te
             )
 
 
-def _execute(r: _Read, files: _Files, verify: bool) -> None:
-    m = files.manifest
+def _execute(r: _Read, files: Any, m: Manifest, verify: bool) -> None:
     bs = m.block_size
     piece, rec = r.piece, r.rec
-    path = os.path.join(files.dir, piece.file)
-    fd = files.fd(piece.file)
+    path = files.path(piece.file)
     dtype = torch_dtype(rec.dtype)
     isz = dtype.itemsize
     if numel(r.box_shape) == 0:
@@ -121,7 +141,7 @@ def _execute(r: _Read, files: _Files, verify: bool) -> None:
     dest = r.dest
     if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
         buf = byte_view(dest)
-        storage.read_exact(fd, piece.start, piece.nbytes, path, into=buf)
+        files.read(piece.file, piece.start, piece.nbytes, into=buf)
         if verify:
             _check_blocks(buf, 0, piece, rec, path, bs)
         return
@@ -146,7 +166,7 @@ def _execute(r: _Read, files: _Files, verify: bool) -> None:
             last = (b - 1) * strides[0] + sum((loc[d] + r.box_shape[d] - 1) * strides[d] for d in range(1, nd)) + 1
         lo = (first * isz) // bs * bs
         hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
-        buf = storage.read_exact(fd, piece.start + lo, hi - lo, path)
+        buf = files.read(piece.file, piece.start + lo, hi - lo)
         if verify:
             _check_blocks(buf, lo // bs, piece, rec, path, bs)
         flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
@@ -199,15 +219,18 @@ def load_state(
     verify: bool = True,
     per_rank: str = "error",
     manifest: Optional[Manifest] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
 ) -> Any:
     """Fill ``template`` from the checkpoint at ``path`` and return the restored state.
 
+    ``path`` is a directory or an object-storage URL (``storage_options`` go
+    to fsspec); remote data is fetched with one ranged read per needed span.
     ``per_rank``: ``"error"`` (default) refuses PerRank values when the world
     size differs from the save's; ``"skip"`` leaves them as in the template.
     """
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")
-    m = manifest if manifest is not None else read_manifest(path)
+    m = manifest if manifest is not None else read_manifest(path, storage_options)
     reads: List[_Read] = []
 
     def visit(kind: str, key: str, v: Any) -> Any:
@@ -258,12 +281,12 @@ def load_state(
         return walk_value(pr.value, inner)
 
     restored = walk(template, visit)
-    files = _Files(path, m)
+    files = _open_files(path, m, storage_options)
     try:
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
         with torch.no_grad():
             for r in reads:
-                _execute(r, files, verify)
+                _execute(r, files, m, verify)
     finally:
         files.close()
     return restored
@@ -283,7 +306,7 @@ class VerifyReport:
         return not self.problems
 
 
-def check_checkpoint(path: str) -> VerifyReport:
+def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> VerifyReport:
     """Re-read every byte of every data file, check every checksum and header; collect every problem.
 
     A manifest that cannot be read or parsed raises (nothing else can be
@@ -291,8 +314,8 @@ def check_checkpoint(path: str) -> VerifyReport:
     that cannot be read and one per damaged piece (with its count of bad
     blocks), and checking goes on with the next piece or file.
     """
-    m = read_manifest(path)
-    files = _Files(path, m)
+    m = read_manifest(path, storage_options)
+    files = _open_files(path, m, storage_options)
     pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
     for rec in list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]:
         for p in rec.pieces:
@@ -301,12 +324,11 @@ def check_checkpoint(path: str) -> VerifyReport:
     total = 0
     try:
         for name in sorted(m.files):
-            fpath = os.path.join(path, name)
+            fpath = files.path(name)
             try:
-                fd = files.fd(name)
-                head = storage.read_exact(fd, 0, min(m.files[name].size, 1 << 20), fpath)
-                header, data_start = _header(head, fd, fpath, m.files[name].size)
-            except (CheckpointCorruptError, OSError) as e:
+                head = files.read(name, 0, min(m.files[name].size, 1 << 20))
+                header, data_start = _header(head, files, name, m.files[name].size)
+            except (CheckpointError, OSError) as e:
                 problems.append(str(e))
                 continue
             ranges = {}
@@ -319,7 +341,7 @@ def check_checkpoint(path: str) -> VerifyReport:
                 h = ranges.get((p.start, p.end))
                 if h is None or h.get("dtype") != rec.dtype or tuple(h.get("shape", ())) != tuple(p.shape):
                     problems.append(f"{fpath}: safetensors header does not match the manifest for key {rec.key!r}")
-                bad = _bad_blocks(fd, p, rec, fpath, m.block_size, problems)
+                bad = _bad_blocks(files, p, rec, m.block_size, problems)
                 if bad:
                     lo = p.start + bad[0] * m.block_size
                     problems.append(
@@ -333,13 +355,13 @@ def check_checkpoint(path: str) -> VerifyReport:
     return VerifyReport(path, len(m.files), total, problems)
 
 
-def _bad_blocks(fd: int, p: PieceRecord, rec: TensorRecord, fpath: str, bs: int, problems: List[str]) -> List[int]:
+def _bad_blocks(files: Any, p: PieceRecord, rec: TensorRecord, bs: int, problems: List[str]) -> List[int]:
     bad: List[int] = []
     for lo in range(0, p.nbytes, _READ_CHUNK):
         n = min(_READ_CHUNK, p.nbytes - lo)
         try:
-            buf = storage.read_exact(fd, p.start + lo, n, fpath)
-        except (CheckpointCorruptError, OSError) as e:
+            buf = files.read(p.file, p.start + lo, n)
+        except (CheckpointError, OSError) as e:
             problems.append(f"{e} (key {rec.key!r})")
             return bad
         for i in range(0, n, bs):
@@ -349,10 +371,10 @@ def _bad_blocks(fd: int, p: PieceRecord, rec: TensorRecord, fpath: str, bs: int,
     return bad
 
 
-def _header(head: memoryview, fd: int, path: str, size: int) -> Tuple[Dict[str, Any], int]:
+def _header(head: memoryview, files: Any, name: str, size: int) -> Tuple[Dict[str, Any], int]:
     raw = bytes(head)
     if len(raw) >= 8:
         (n,) = struct.unpack("<Q", raw[:8])
         if 8 + n > len(raw) and n <= MAX_HEADER_BYTES and 8 + n <= size:
-            raw = bytes(storage.read_exact(fd, 0, 8 + n, path))
-    return parse_file_header(raw, path)
+            raw = bytes(files.read(name, 0, 8 + n))
+    return parse_file_header(raw, files.path(name))

@@ -1,0 +1,130 @@
+"""Object-storage access through fsspec (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
+
+Local paths never come here. A remote path is resolved with
+``fsspec.core.url_to_fs(path, **storage_options)``; the protocol's package
+(s3fs, gcsfs, adlfs) must be installed. Every call is retried with
+exponential backoff on transient errors, and bounded in time overall.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
+
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+
+log = logging.getLogger("nostall")
+
+T = TypeVar("T")
+
+RETRIES = 5
+BACKOFF_S = 0.2
+
+
+def is_remote(path: Any) -> bool:
+    """True for a URL with a protocol other than ``file://``."""
+    s = str(path)
+    return "://" in s and not s.startswith("file://")
+
+
+def filesystem(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Any, str]:
+    """(fsspec filesystem, path inside it) for a remote URL."""
+    try:
+        import fsspec
+    except ImportError as e:
+        raise CheckpointError(f"{path}: object storage needs fsspec (pip install 'nostall[s3]')") from e
+    try:
+        return fsspec.core.url_to_fs(path, **(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise CheckpointError(f"{path}: no fsspec back end for this protocol: {e}") from e
+
+
+def _transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    return isinstance(e, (OSError, TimeoutError, ConnectionError)) or type(e).__name__ in (
+        "ClientError", "EndpointConnectionError", "ReadTimeoutError", "ConnectTimeoutError", "ClientOSError",
+        "ServerDisconnectedError", "ResponseStreamingError",
+    )
+
+
+def retry(what: str, fn: Callable[[], T], *, retries: int = RETRIES, deadline: Optional[float] = None) -> T:
+    """``fn()``, retried with jittered exponential backoff on transient errors (bounded by ``deadline``)."""
+    delay = BACKOFF_S
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as e:
+            last = attempt == retries or not _transient(e)
+            if deadline is not None and time.monotonic() + delay > deadline:
+                last = True
+            if last:
+                raise
+            log.warning("%s failed (%s: %s); retrying in %.1fs (%d/%d)", what, type(e).__name__, e, delay,
+                        attempt + 1, retries)
+            time.sleep(delay * (0.5 + random.random()))
+            delay *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class RemoteFiles:
+    """Ranged reads of one remote checkpoint's data files (the loader's source)."""
+
+    def __init__(self, url: str, sizes: Dict[str, int], storage_options: Optional[Dict[str, Any]] = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.base = filesystem(self.url, storage_options)
+        self.sizes = sizes
+        self.checked: Dict[str, bool] = {}
+
+    def path(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _check(self, name: str) -> None:
+        if name in self.checked:
+            return
+        key = f"{self.base}/{name}"
+        try:
+            size = retry(f"stat {self.path(name)}", lambda: self.fs.size(key))
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{self.path(name)}: data file missing") from None
+        except Exception as e:
+            raise CheckpointError(f"{self.path(name)}: cannot stat the data file: {e}") from e
+        want = self.sizes[name]
+        if size != want:
+            raise CheckpointCorruptError(f"{self.path(name)}: size {size} bytes, the manifest says {want} (truncated?)")
+        self.checked[name] = True
+
+    def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        """Exactly ``length`` bytes at ``offset`` (one ranged GET); a short read is corruption."""
+        self._check(name)
+        key = f"{self.base}/{name}"
+        try:
+            data = retry(f"read {self.path(name)} [{offset}, {offset + length})",
+                         lambda: self.fs.cat_file(key, start=offset, end=offset + length))
+        except Exception as e:
+            raise CheckpointError(f"{self.path(name)}: ranged read [{offset}, {offset + length}) failed: {e}") from e
+        if len(data) != length:
+            raise CheckpointCorruptError(
+                f"{self.path(name)}: short read at {offset}: {len(data)} of {length} bytes (truncated?)"
+            )
+        if into is not None:
+            into[:length] = data
+            return into
+        return memoryview(bytearray(data))
+
+    def close(self) -> None:
+        pass
+
+
+def read_small(url: str, limit: int, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
+    """A whole small object (a manifest): at most ``limit`` bytes, checked before reading."""
+    fs, key = filesystem(url, storage_options)
+    try:
+        size = retry(f"stat {url}", lambda: fs.size(key))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{url} does not exist") from None
+    if size is None or size > limit:
+        raise CheckpointCorruptError(f"{url}: {size} bytes, more than the {limit} accepted")
+    return retry(f"read {url}", lambda: fs.cat_file(key))
