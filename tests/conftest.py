@@ -31,3 +31,17 @@ def pool2(rank_pools) -> RankPool:
 @pytest.fixture
 def pool4(rank_pools) -> RankPool:
     return rank_pools.get(4)
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3-compatible server (moto, subprocess) on 127.0.0.1 for the session; skipped without moto/s3fs."""
+    pytest.importorskip("s3fs", reason="object-storage tests need s3fs (pip install 'nostall[s3]')")
+    pytest.importorskip("moto", reason="object-storage tests need moto[server]")
+    from tests.s3_server import S3Server
+
+    server = S3Server()
+    try:
+        yield server
+    finally:
+        server.stop()

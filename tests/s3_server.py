@@ -42,7 +42,6 @@ class S3Server:
             "key": "testing",
             "secret": "testing",
             "client_kwargs": {"endpoint_url": self.url, "region_name": "us-east-1"},
-            "skip_instance_cache": True,
         }
 
     def filesystem(self) -> Any:

@@ -15,17 +15,6 @@ pytest.importorskip("moto", reason="object-storage tests need moto[server]")
 import torch  # noqa: E402
 
 import nostall  # noqa: E402
-from tests.s3_server import S3Server  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server()
-    try:
-        yield server
-    finally:
-        server.stop()
-    assert server.proc.poll() is not None
 
 
 def _full():

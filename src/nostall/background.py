@@ -21,6 +21,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any, Optional
 
+from . import remote
 from ._faults import ROLE_ENV
 from .errors import CheckpointError
 from .format import MANIFEST_NAME
@@ -57,16 +58,17 @@ def _was_committed(job: SaveJob) -> bool:
     """
     assert job.commit is not None
     path = os.path.join(job.commit.target.final, MANIFEST_NAME)
-    if not os.path.exists(path):
-        return False
     crcs: Crcs = {}
     for r in job.writers:
-        rec = read_record(done_record(job.records, r))
+        rec = read_record(done_record(job.records, r), job.storage_options)
         if not rec or not rec.get("ok"):
             return False
         crcs.update(record_crcs(rec))
     try:
         expected = job.commit.manifest.with_crcs(crcs).to_json_bytes()
+        if remote.is_remote(path):
+            fs, key = remote.filesystem(path, job.storage_options)
+            return remote.retry(f"read {path}", lambda: fs.cat_file(key)) == expected
         with open(path, "rb") as f:
             return f.read() == expected
     except (OSError, ValueError):
@@ -225,10 +227,11 @@ class BackgroundWriter:
         log.error("%s", why)
         res = JobResult(job.save_id, False, why)
         try:
-            if read_record(done_record(job.records, job.rank)) is None:
-                write_record(done_record(job.records, job.rank), {"ok": False, "error": why})
+            so = job.storage_options
+            if read_record(done_record(job.records, job.rank), so) is None:
+                write_record(done_record(job.records, job.rank), {"ok": False, "error": why}, so)
             if job.commit is not None:
-                outcome = read_record(outcome_record(job.records))
+                outcome = read_record(outcome_record(job.records), so)
                 if outcome is None:
                     if _was_committed(job):  # died after the commit point
                         job.commit.target.point_latest()
@@ -236,11 +239,11 @@ class BackgroundWriter:
                     else:
                         job.commit.target.abort()
                         outcome = {"ok": False, "error": f"save of step {job.step} failed: {why}"}
-                    write_record(outcome_record(job.records), outcome)
+                    write_record(outcome_record(job.records), outcome, so)
             else:
                 try:
                     outcome = poll_until(time.monotonic() + self.timeout, "rank 0's outcome",
-                                         lambda: read_record(outcome_record(job.records)), max_delay=0.5)
+                                         lambda: read_record(outcome_record(job.records), so), max_delay=0.5)
                 except TimeoutError:
                     outcome = {"ok": False, "error": f"{why}; rank 0 did not record an outcome either"}
             if outcome.get("ok"):

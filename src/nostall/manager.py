@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import atexit
 import collections
+import hashlib
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Deque, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from . import commit, storage
+from . import commit, commit_remote, remote, storage
 from ._comm import Comm, make_comm
 from .background import BackgroundWriter
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
@@ -55,6 +57,14 @@ class CheckpointManager:
         block_size: checksum block size in bytes (granularity of partial reads).
         read_only: only list and load (an evaluation job beside the training
             job): no root claim, no cleanup, no writer; ``save`` raises.
+        storage_options: fsspec options for an object-storage ``root``
+            (``s3://bucket/run``, ``gs://...``, any installed fsspec protocol).
+        local_staging_dir: object storage: where each rank's writer stages its
+            files before uploading them (default: a directory under the
+            system temp dir). Node-local disk is best.
+        fallback_sync: object storage: save synchronously (write, upload and
+            commit inside ``save()``), as the seed's system did. Off by default:
+            async saves upload in the background like local ones.
 
     One manager saves to a root at a time: creating a second (not read-only)
     manager on a root that another live manager holds raises
@@ -81,6 +91,9 @@ class CheckpointManager:
         errors: str = "raise",
         block_size: int = DEFAULT_BLOCK_SIZE,
         read_only: bool = False,
+        storage_options: Optional[Dict[str, Any]] = None,
+        local_staging_dir: Optional[str] = None,
+        fallback_sync: bool = False,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
@@ -90,7 +103,10 @@ class CheckpointManager:
             raise ValueError("errors must be 'raise' or 'log'")
         if block_size <= 0 or block_size % 8:
             raise ValueError("block_size must be a positive multiple of 8")
-        self.root = os.path.abspath(os.fspath(root))
+        self.remote = remote.is_remote(root)
+        self.root = str(root).rstrip("/") if self.remote else os.path.abspath(os.fspath(root))
+        self.storage_options = storage_options
+        self.fallback_sync = bool(fallback_sync)
         self.keep_last = keep_last
         self.timeout = float(timeout)
         self.async_save = bool(async_save) and not read_only
@@ -105,6 +121,9 @@ class CheckpointManager:
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
         self._comm: Comm = make_comm(process_group, self.timeout, own_group=True)
+        self._local_staging = local_staging_dir or os.path.join(
+            tempfile.gettempdir(), "nostall-staging", hashlib.sha1(self.root.encode()).hexdigest()[:12]
+        )
         try:
             self._saver = Saver(self._comm, block_size, self.timeout)
             if not self.read_only:
@@ -132,6 +151,11 @@ class CheckpointManager:
     def _claim_root(self) -> None:
         """Rank 0 claims the root (or finds why it cannot); every rank raises the same error."""
         error: Optional[str] = None
+        if self.remote:
+            if self._comm.rank == 0:
+                log.info("%s: object storage has no cross-job lock; make sure one job saves to it at a time",
+                         self.root)
+            return
         if self._comm.rank == 0:
             try:
                 commit.check_root(self.root)
@@ -170,11 +194,13 @@ class CheckpointManager:
         return self._writer.pid if self._writer is not None else None
 
     def path_for(self, step: int) -> str:
-        """Directory of the checkpoint of ``step`` (committed or not)."""
-        return commit.step_dir(self.root, step)
+        """Directory (or URL) of the checkpoint of ``step`` (committed or not)."""
+        return commit_remote.join(self.root, f"step_{step}") if self.remote else commit.step_dir(self.root, step)
 
     def steps(self) -> List[int]:
         """Steps of the committed checkpoints, ascending."""
+        if self.remote:
+            return commit_remote.committed_steps(self.root, self.storage_options)
         return commit.committed_steps(self.root)
 
     def latest_step(self) -> Optional[int]:
@@ -183,6 +209,8 @@ class CheckpointManager:
         Normally the highest step; after resuming from an older step and saving,
         the step saved last (``latest`` names it).
         """
+        if self.remote:
+            return commit_remote.latest_step(self.root, self.storage_options)
         return commit.latest_step(self.root)
 
     def stats(self) -> List[SaveStats]:
@@ -222,11 +250,13 @@ class CheckpointManager:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         use_async = self.async_save if async_save is None else bool(async_save)
+        if self.remote and self.fallback_sync:
+            use_async = False
         t_call = time.perf_counter()
         with self._lock:
             self._check_open(writing=True)
             self.finalize_pending_saves()
-            target = commit.StepTarget(self.root, step, self.keep_last)
+            target = self._target(step)
             if not use_async:
                 stats = self._saver.save(state, target, step, t_call)
                 self._stats.append(stats)
@@ -235,16 +265,34 @@ class CheckpointManager:
                 return handle
             if self._writer is None:
                 self._writer = BackgroundWriter(self._comm.rank, self.timeout)
-            records = os.path.join(self.root, commit.TMP_DIR, "commit-")
+            records = (commit_remote.join(self.root, commit.TMP_DIR, "commit-") if self.remote
+                       else os.path.join(self.root, commit.TMP_DIR, "commit-"))
             pending = self._saver.save_async(state, target, step, records, self._writer, t_call)
             if self.rank == 0 and self._last_records is not None:
                 # every rank finished waiting for the previous save before this one's plan
-                storage.remove_tree(self._last_records)
+                self._remove_records(self._last_records)
             self._last_records = pending.job.records
             handle = SaveHandle(step, target.final, driver=self._drive, peek=self._peek, reported=self._reported)
             self._pending = (pending, handle)
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
+
+    def _target(self, step: int) -> Any:
+        if self.remote:
+            local = os.path.join(self._local_staging, f"rank{self.rank}")
+            return commit_remote.RemoteStepTarget(self.root, step, self.keep_last, local, self.storage_options,
+                                                  self.timeout)
+        return commit.StepTarget(self.root, step, self.keep_last)
+
+    def _remove_records(self, records: str) -> None:
+        if not self.remote:
+            storage.remove_tree(records)
+            return
+        try:
+            fs, key = remote.filesystem(records, self.storage_options)
+            fs.rm(key, recursive=True)
+        except Exception as e:  # bookkeeping only
+            log.debug("could not remove %s: %s", records, e)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -333,6 +381,7 @@ class CheckpointManager:
                 world_size=self._comm.size,
                 verify=verify,
                 per_rank=per_rank,
+                storage_options=self.storage_options,
             )
 
     # ------------------------------------------------------------------ lifetime

@@ -29,7 +29,7 @@ from ._faults import crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
 from .commit import Target
-from .errors import CheckpointError, CheckpointSaveError, InvalidStateError, describe
+from .errors import CheckpointSaveError, InvalidStateError, describe
 from .format import DEFAULT_BLOCK_SIZE, FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
 from .handles import SaveStats
 from .model import FlatState, flatten
@@ -83,6 +83,11 @@ class PendingSave:
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
 
 
+def _uploads(target: Target) -> bool:
+    """Object-storage targets: each rank stages its files locally, then uploads them."""
+    return hasattr(target, "upload")
+
+
 class Saver:
     """Runs saves over one Comm, caching the plan while the structure is unchanged."""
 
@@ -115,7 +120,7 @@ class Saver:
         if state_err is None and comm.rank == 0:
             try:
                 target.prepare()
-            except (OSError, CheckpointError) as e:
+            except Exception as e:  # a storage back end may raise its own types: all must reach every rank
                 target_err = f"cannot save to {target.final}: {describe(e)}"
         try:
             return self._plan_round(state_err, target_err, sig, flat, meta, step, t0)
@@ -180,6 +185,8 @@ class Saver:
                     )
                 )
                 nbytes += fp.size
+            if _uploads(target):
+                target.upload([fp.name for fp in p.plan.files_of(comm.rank)])
         except Exception as e:
             err = f"writing into {target.staging}: {describe(e)}"
             log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
@@ -240,6 +247,7 @@ class Saver:
             commit=CommitJob(self._skeleton(p), target) if comm.rank == 0 else None,
             writers=tuple(range(comm.size)), test_delay_s=self.test_writer_delay_s,
             test_fault=self.test_writer_fault,
+            upload=target if _uploads(target) else None, storage_options=getattr(target, "storage_options", None),
         )
         t_stage = time.perf_counter()
         failed: Optional[JobResult] = None
@@ -254,10 +262,11 @@ class Saver:
             msg = f"rank {comm.rank}: staging step {step} failed: {describe(e)}"
             log.error("%s", msg)
             try:
-                write_record(done_record(records, comm.rank), {"ok": False, "error": msg})
+                so = job.storage_options
+                write_record(done_record(records, comm.rank), {"ok": False, "error": msg}, so)
                 if comm.rank == 0:
                     target.abort()
-                    write_record(outcome_record(records), {"ok": False, "error": msg})
+                    write_record(outcome_record(records), {"ok": False, "error": msg}, so)
             except OSError as e2:
                 log.error("rank %d: could not record the failure: %s", comm.rank, e2)
             if not isinstance(e, Exception):

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from . import storage
+from . import remote, storage
 from ._faults import crash_point
 from .commit import check_staging
 from .errors import describe
@@ -89,6 +89,8 @@ class SaveJob:
     writers: Tuple[int, ...] = ()  # ranks whose done record rank 0 waits for
     test_delay_s: float = 0.0  # test hook: sleep before writing
     test_fault: Optional[str] = None  # test hook: "enospc" fails the write like a full disk
+    upload: Any = None  # object storage: the RemoteStepTarget that uploads this rank's staged files
+    storage_options: Optional[Dict[str, Any]] = None  # fsspec options for remote records
 
 
 @dataclass
@@ -114,18 +116,37 @@ def record_crcs(rec: Dict[str, Any]) -> Crcs:
     return {(n, int(s), int(e)): tuple(c) for n, s, e, c in rec["crcs"]}
 
 
-def write_record(path: str, doc: Dict[str, Any]) -> None:
-    """Publish a small JSON record atomically (readers never see half of it)."""
+def write_record(path: str, doc: Dict[str, Any], storage_options: Optional[Dict[str, Any]] = None) -> None:
+    """Publish a small JSON record atomically (readers never see half of it): a file, or an object."""
+    data = json.dumps(doc, sort_keys=True).encode()
+    if remote.is_remote(path):
+        fs, key = remote.filesystem(path, storage_options)
+        remote.retry(f"upload {path}", lambda: fs.pipe_file(key, data))
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    storage.atomic_write(path, json.dumps(doc, sort_keys=True).encode())
+    storage.atomic_write(path, data)
 
 
-def read_record(path: str) -> Optional[Dict[str, Any]]:
+def read_record(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     try:
+        if remote.is_remote(path):
+            fs, key = remote.filesystem(path, storage_options)
+            return json.loads(remote.retry(f"read {path}", lambda: fs.cat_file(key)))
         with open(path, "rb") as f:
             return json.loads(f.read())
     except FileNotFoundError:
         return None
+
+
+def list_records(records: str, storage_options: Optional[Dict[str, Any]] = None) -> set:
+    """Names of the records present (one metadata call)."""
+    try:
+        if remote.is_remote(records):
+            fs, key = remote.filesystem(records, storage_options)
+            return {os.path.basename(str(p)) for p in fs.ls(key, detail=False, refresh=True)}
+        return set(os.listdir(records))
+    except FileNotFoundError:
+        return set()
 
 
 def poll_until(deadline: float, what: str, check: Any, max_delay: float = 0.1) -> Any:
@@ -156,7 +177,10 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
             time.sleep(job.test_delay_s)
         if job.test_fault == "enospc":
             raise OSError(errno.ENOSPC, "No space left on device (test fault)", job.staging)
-        check_staging(job.staging)
+        if job.upload is not None:
+            job.upload.open_staging()
+        else:
+            check_staging(job.staging)
         crash_point("write.start", job.step)
         for f in job.files:
             header = bytes(area[f.area_offset : f.area_offset + f.header_size])
@@ -165,6 +189,8 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
                 write_file_image(os.path.join(job.staging, f.name), header, parts, f.size, job.block_size, f.name)
             )
             res.bytes_written += f.size
+        if job.upload is not None:
+            job.upload.upload([f.name for f in job.files])
         mine: Dict[str, Any] = {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in crcs.items()]}
     except Exception as e:
         mine = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
@@ -173,16 +199,16 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     crash_point("write.done", job.step)
     t1 = time.perf_counter()
     try:
-        write_record(done_record(job.records, job.rank), mine)
+        write_record(done_record(job.records, job.rank), mine, job.storage_options)
         if job.commit is not None:
             outcome = _commit(job, deadline)
-            write_record(outcome_record(job.records), outcome)
+            write_record(outcome_record(job.records), outcome, job.storage_options)
             if outcome.get("ok"):
                 job.commit.target.retain()  # after the other ranks can know the outcome
         else:
             # rank 0 may take up to the timeout waiting for the slowest rank, then commit
             outcome = poll_until(deadline + _COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
-                            lambda: read_record(outcome_record(job.records)), max_delay=0.5)
+                            lambda: read_record(outcome_record(job.records), job.storage_options), max_delay=0.5)
     except Exception as e:
         outcome = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
     res.commit_s = time.perf_counter() - t1
@@ -223,14 +249,11 @@ def _commit(job: SaveJob, deadline: float) -> Dict[str, Any]:
     try:
         delay = 0.005
         while pending:
-            try:
-                present = set(os.listdir(job.records))  # one metadata call per look
-            except FileNotFoundError:
-                present = set()
+            present = list_records(job.records, job.storage_options)  # one metadata call per look
             for r in sorted(pending):
                 if os.path.basename(done_record(job.records, r)) not in present:
                     continue
-                rec = read_record(done_record(job.records, r))
+                rec = read_record(done_record(job.records, r), job.storage_options)
                 if rec is None:
                     continue
                 pending.discard(r)

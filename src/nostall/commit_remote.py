@@ -1,0 +1,185 @@
+"""The commit protocol on object storage (no atomic rename there).
+
+Layout under a root URL (``s3://bucket/run``)::
+
+    <root>/step_<N>/rank<r>.safetensors   data files, uploaded by each rank's writer
+    <root>/step_<N>/manifest.json         uploaded last by rank 0: the commit point
+    <root>/latest                         the step committed last, uploaded after the manifest
+    <root>/.tmp/commit-<id>/rank<r>.json  per-rank done records, then outcome.json
+
+A ``step_<N>/`` prefix without its manifest is never listed, loaded or
+counted by retention. Each rank writes its files into a local staging
+directory (node-local disk), then uploads them with retries, so the trainer's
+stall is the same as for a local destination. Retention deletes an old
+checkpoint's manifest first, then its prefix. Re-saving a step first deletes
+that step's old manifest (a step saved again belongs to a newer timeline).
+
+This module does not import torch (it runs in the writer process).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Any, Dict, List, Mapping, Optional
+
+from . import remote
+from ._faults import crash_point
+from .errors import CheckpointSaveError
+from .format import MANIFEST_NAME
+
+log = logging.getLogger("nostall")
+
+_STEP_RE = re.compile(r"step_(0|[1-9][0-9]*)$")
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/")] + [p.strip("/") for p in parts])
+
+
+def committed_steps(root: str, storage_options: Optional[Dict[str, Any]] = None) -> List[int]:
+    """Steps under ``root`` whose manifest exists, ascending."""
+    fs, key = remote.filesystem(root, storage_options)
+    fs.invalidate_cache()  # other processes write here: never trust a cached listing
+    try:
+        found = remote.retry(f"list {root}", lambda: fs.glob(f"{key.rstrip('/')}/step_*/{MANIFEST_NAME}"))
+    except FileNotFoundError:
+        return []
+    steps = []
+    for path in found:
+        m = _STEP_RE.search(os.path.dirname(str(path)))
+        if m:
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def latest_step(root: str, storage_options: Optional[Dict[str, Any]] = None) -> Optional[int]:
+    """``latest`` when it names a committed step, else the highest committed step."""
+    steps = committed_steps(root, storage_options)
+    fs, key = remote.filesystem(join(root, "latest"), storage_options)
+    try:
+        pointed: Optional[int] = int(remote.retry("read latest", lambda: fs.cat_file(key)).decode().strip())
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        pointed = None
+    if pointed is not None and pointed in steps:
+        return pointed
+    return steps[-1] if steps else None
+
+
+class RemoteStepTarget:
+    """``<root>/step_<N>`` on object storage (the remote counterpart of commit.StepTarget).
+
+    Picklable: it travels to the writer processes, which upload their files
+    through :meth:`upload`; rank 0's writer then commits through :meth:`publish`.
+    """
+
+    def __init__(self, root: str, step: int, keep_last: Optional[int], local_staging: str,
+                 storage_options: Optional[Dict[str, Any]], timeout: float) -> None:
+        self.root = root.rstrip("/")
+        self.step = step
+        self.keep_last = keep_last
+        self.storage_options = storage_options
+        self.timeout = timeout
+        self.staging = os.path.join(local_staging, f"step_{step}")  # this rank's local scratch
+        self.final = join(self.root, f"step_{step}")
+
+    def _fs(self) -> Any:
+        return remote.filesystem(self.root, self.storage_options)[0]
+
+    def _key(self, url: str) -> str:
+        return remote.filesystem(url, self.storage_options)[1]
+
+    # -- every rank
+    def prepare(self) -> None:
+        """Rank 0, before the plan: the bucket must be reachable; un-commit an older save of this step."""
+        fs = self._fs()
+        fs.invalidate_cache()
+        manifest = self._key(join(self.final, MANIFEST_NAME))
+        try:
+            if remote.retry(f"stat {self.final}", lambda: fs.exists(manifest)):
+                log.warning("%s exists from an earlier run; replacing it", self.final)
+                remote.retry(f"delete {self.final}", lambda: fs.rm(self._key(self.final), recursive=True))
+            else:  # a listing proves the bucket exists and that we may read it
+                remote.retry(f"list {self.root}", lambda: fs.ls(self._key(self.root).split("/")[0]))
+        except FileNotFoundError as e:
+            raise CheckpointSaveError(f"{self.root}: the bucket does not exist ({e})") from None
+
+    def open_staging(self) -> None:
+        """Every rank: a fresh local staging directory for its own files."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+
+    def upload(self, names: List[str]) -> None:
+        """Upload this rank's staged files (retried, bounded), then drop the local copies."""
+        fs = self._fs()
+        deadline = time.monotonic() + self.timeout
+        for name in names:
+            local = os.path.join(self.staging, name)
+            size = os.path.getsize(local)
+            t0 = time.monotonic()
+            dest = self._key(join(self.final, name))
+            remote.retry(f"upload {join(self.final, name)}", lambda: fs.put_file(local, dest), deadline=deadline)
+            dt = max(time.monotonic() - t0, 1e-9)
+            log.info("uploaded %s: %.1f MB in %.2fs (%.0f MB/s)", join(self.final, name), size / 1e6, dt,
+                     size / 1e6 / dt)
+            crash_point("upload.done", self.step)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    # -- rank 0
+    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
+        """Check every uploaded file's size, upload the manifest (the commit point), then ``latest``."""
+        fs = self._fs()
+        for name, size in files.items():
+            url = join(self.final, name)
+            try:
+                got = remote.retry(f"stat {url}", lambda: fs.size(self._key(url)))
+            except FileNotFoundError:
+                raise CheckpointSaveError(f"{url} is missing at commit time") from None
+            if got != size:
+                raise CheckpointSaveError(f"{url} has {got} bytes at commit time, {size} planned")
+        crash_point("commit.ready", self.step)
+        url = join(self.final, MANIFEST_NAME)
+        remote.retry(f"upload {url}", lambda: fs.pipe_file(self._key(url), manifest))
+        crash_point("commit.renamed", self.step)
+        self.point_latest()
+
+    def point_latest(self) -> None:
+        fs = self._fs()
+        url = join(self.root, "latest")
+        try:
+            remote.retry(f"upload {url}", lambda: fs.pipe_file(self._key(url), f"{self.step}\n".encode()))
+        except Exception as e:  # committed; latest_step() falls back to listing
+            log.warning("step %d is committed but updating %s failed: %s", self.step, url, e)
+
+    def retain(self) -> None:
+        if self.keep_last is None:
+            return
+        try:
+            steps = committed_steps(self.root, self.storage_options)
+            keep = set(steps[-self.keep_last:]) | {self.step}
+            fs = self._fs()
+            for s in steps:
+                if s in keep:
+                    continue
+                url = join(self.root, f"step_{s}")
+                # the manifest first: a half-deleted checkpoint is never listed
+                remote.retry(f"delete {url}", lambda: fs.rm(self._key(join(url, MANIFEST_NAME))))
+                crash_point("retain.moved", self.step)
+                remote.retry(f"delete {url}", lambda: fs.rm(self._key(url), recursive=True))
+                log.info("retention: deleted %s", url)
+        except Exception as e:  # the checkpoint is committed; retention is best effort
+            log.warning("retention after step %d failed: %s", self.step, e)
+
+    def abort(self) -> None:
+        """Rank 0, after a failure: delete what was uploaded for this step (there is no manifest)."""
+        try:
+            fs = self._fs()
+            key = self._key(self.final)
+            if fs.exists(key):
+                fs.rm(key, recursive=True)
+        except Exception as e:
+            log.warning("could not remove the partial upload %s: %s", self.final, e)
+        shutil.rmtree(self.staging, ignore_errors=True)
