@@ -88,3 +88,53 @@ def test_save_to_a_missing_bucket_is_a_clear_error_on_every_rank(pool2, s3):
     for err, steps in out:
         assert err is not None and "no-such-bucket" in err and "step 1" in err, err
         assert steps == []
+
+
+def _crash_mid_upload(rank, world, root, so, local):
+    import os
+    import time
+
+    import nostall
+
+    if rank == 1:  # this rank's trainer dies right after staging step 2 (its upload never happens)
+        os.environ["NOSTALL_TEST_CRASH"] = "trainer:staged:2"
+    mgr = nostall.CheckpointManager(root, async_save=True, storage_options=so, timeout=2.5,
+                                    local_staging_dir=f"{local}/r{rank}")
+    mgr.save(1, _state(1, rank, world))
+    mgr.finalize_pending_saves()
+    mgr.save(2, _state(2, rank, world))
+    t0 = time.monotonic()
+    try:
+        mgr.finalize_pending_saves()
+        err = None
+    except nostall.CheckpointSaveError as e:
+        err = str(e)
+    import json
+
+    with open(f"{local}/outcome{rank}.json", "w") as f:
+        json.dump({"error": err, "waited": time.monotonic() - t0, "latest": mgr.latest_step()}, f)
+    mgr.close()
+
+
+def test_trainer_killed_mid_upload_leaves_the_previous_checkpoint_latest(s3, tmp_path):
+    from tests.dist_harness import run_ranks
+
+    bucket = s3.make_bucket("crash-mid-upload")
+    root = f"s3://{bucket}/run"
+    with pytest.raises(AssertionError) as ei:  # rank 1 dies: the harness reports it
+        run_ranks(2, _crash_mid_upload, root, s3.storage_options, str(tmp_path), timeout=90)
+    assert "rank 1" in str(ei.value)
+    # rank 0 is told, within its timeout, and the bucket still says step 1
+    import json
+
+    out = json.loads((tmp_path / "outcome0.json").read_text())
+    assert out["error"] and "step 2" in out["error"] and out["waited"] < 2.5 * 1.5 + 2 and out["latest"] == 1
+    mgr = nostall.CheckpointManager(root, read_only=True, storage_options=s3.storage_options)
+    assert mgr.latest_step() == 1 and mgr.steps() == [1]
+    w = torch.zeros(256, 256)
+    mgr.load({"w": w, "b": torch.zeros(8)})
+    assert torch.equal(w, _expected_full(1, 2))
+    fs = s3.filesystem()
+    fs.invalidate_cache()
+    assert not fs.exists(f"{bucket}/run/step_2/manifest.json")
+    mgr.close()

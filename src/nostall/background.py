@@ -211,7 +211,9 @@ class BackgroundWriter:
         """
         job = self.job
         assert job is not None
-        limit = self.timeout if timeout is None else timeout
+        # By default a little longer than the writer's own bounded waits, so that the
+        # writer's precise error (a rank missing, a failed upload) arrives before our timeout.
+        limit = self.timeout * 1.5 if timeout is None else timeout
         try:
             reply = self._recv(time.monotonic() + limit, f"writing step {job.step}", skip=("attached",))
         except WriterDied as e:

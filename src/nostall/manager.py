@@ -49,7 +49,9 @@ class CheckpointManager:
         async_save: write in a background process per rank: ``save()`` returns
             once the rank's state is copied to host memory. The writer process
             starts now, so the first save pays no start-up.
-        timeout: bound, in seconds, of every wait (other ranks, the writer).
+        timeout: bound, in seconds, of every wait (other ranks, the writer,
+            object storage); waiting for the writer's outcome allows 1.5x, so
+            that the writer's own timeout error is the one reported.
         errors: ``"raise"`` (default): a failed asynchronous save raises
             :class:`~nostall.CheckpointSaveError` from the next ``save()``,
             ``finalize_pending_saves()``, ``load()`` or ``close()``;

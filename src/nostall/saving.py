@@ -122,11 +122,20 @@ class Saver:
                 target.prepare()
             except Exception as e:  # a storage back end may raise its own types: all must reach every rank
                 target_err = f"cannot save to {target.final}: {describe(e)}"
+        made_staging = comm.rank == 0 and state_err is None and target_err is None
         try:
             return self._plan_round(state_err, target_err, sig, flat, meta, step, t0)
+        except (InvalidStateError, CheckpointSaveError):
+            # raised alike on every rank (from the exchanged outcomes): the others raise only
+            # once rank 0 has removed this save's staging directory
+            if made_staging:
+                target.abort()
+            if comm.size > 1:
+                comm.broadcast(None)
+            raise
         except BaseException:
-            if comm.rank == 0 and state_err is None and target_err is None:
-                target.abort()  # the staging directory rank 0 made for this save
+            if made_staging:
+                target.abort()
             raise
 
     def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],

@@ -379,10 +379,13 @@ def main(fd: int, trainer_pid: int = 0) -> int:
             except (EOFError, OSError):
                 return 0  # the trainer is gone (its end of the socket is closed)
     finally:
-        if view is not None:
-            view.release()
-        if area is not None:
-            area.close()
+        try:
+            if view is not None:
+                view.release()
+            if area is not None:
+                area.close()
+        except BufferError:
+            pass  # a slice of the area is still referenced (a job cut short): the process exits anyway
         conn.close()
         sock.close()
 
