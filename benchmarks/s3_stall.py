@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/s3_stall.py --mb-per-rank 64 --saves 5
 
 Starts an S3-compatible server (moto's server mode) on 127.0.0.1. It then
-runs 2 gloo ranks that each prepare a manager and save ``--saves`` times,
+runs 2 gloo ranks that each prepare a manager and save ``--saves`` times, ``--gap`` seconds apart,
 once to a local root and once to ``s3://``, asynchronously. It prints the
-median stall per destination (rank 0) and their ratio, as well as the time
-until each save was committed. Needs the test extras (moto, s3fs).
+median stall per destination (rank 0), its parts, and their ratio. Needs
+the test extras (moto, s3fs).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, world: int, init: str, roots: list, so: dict, mb: int, saves: int, out: str) -> None:
+def _rank(rank: int, world: int, init: str, roots: list, so: dict, mb: int, saves: int, out: str,
+          gap: float) -> None:
     import torch
     import torch.distributed as dist
 
@@ -48,10 +49,12 @@ def _rank(rank: int, world: int, init: str, roots: list, so: dict, mb: int, save
         for step in range(1, saves + 1):
             w.add_(1.0)
             handles.append(mgr.save(step, state))
-            time.sleep(0.5)  # training
+            time.sleep(gap)  # training, long enough for the previous save to commit
         mgr.finalize_pending_saves()
         stats = [h.result() for h in handles]
-        results[root] = {"stall": [s.stall_s for s in stats], "total": [s.total_s for s in stats]}
+        results[root] = {"stall": [s.stall_s for s in stats], "total": [s.total_s for s in stats],
+                         "wait": [s.wait_s for s in stats], "plan": [s.plan_s for s in stats],
+                         "stage": [s.stage_s for s in stats]}
         mgr.close()
     if rank == 0:
         with open(out, "w") as f:
@@ -63,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb-per-rank", type=int, default=64)
     ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--gap", type=float, default=3.0, help="seconds of 'training' between saves")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -85,7 +89,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             roots = [os.path.join(tmp, "local"), "s3://bench/run"]
             out = os.path.join(tmp, "out.json")
-            mp.start_processes(_rank, args=(2, os.path.join(tmp, "init"), roots, so, a.mb_per_rank, a.saves, out),
+            mp.start_processes(_rank, args=(2, os.path.join(tmp, "init"), roots, so, a.mb_per_rank, a.saves, out,
+                                                  a.gap),
                                nprocs=2, start_method="spawn")
             with open(out) as f:
                 res = json.load(f)
@@ -95,8 +100,9 @@ def main() -> int:
     local, s3 = res[roots[0]], res["s3://bench/run"]
     ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
     print(f"2 ranks x {a.mb_per_rank} MiB, {a.saves} async saves each (rank 0, medians)")
-    print(f"  local   stall {ms(local['stall']):7.1f} ms   until committed {ms(local['total']):8.1f} ms")
-    print(f"  s3://   stall {ms(s3['stall']):7.1f} ms   until committed {ms(s3['total']):8.1f} ms")
+    for name, r in (("local", local), ("s3://", s3)):
+        print(f"  {name:6s}  stall {ms(r['stall']):7.1f} ms (plan {ms(r['plan']):6.1f}, stage {ms(r['stage']):6.1f}, "
+              f"waiting for the previous save {ms(r['wait']):6.1f})")
     print(f"  s3 stall / local stall = {statistics.median(s3['stall']) / statistics.median(local['stall']):.2f}")
     return 0
 

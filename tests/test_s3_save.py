@@ -58,8 +58,9 @@ def test_two_ranks_save_to_s3_and_load_resharded(pool2, s3, tmp_path, mode):
     fs = s3.filesystem()
     listing = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/job1", refresh=True))
     assert listing == [".tmp", "latest", "step_2", "step_3"] or listing == ["latest", "step_2", "step_3"]
-    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/job1/step_3", refresh=True)) == [
-        "manifest.json", "rank0.safetensors", "rank1.safetensors"]
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/job1/step_3", refresh=True))
+    assert len(names) == 3 and names[0] == "manifest.json", names
+    assert names[1].startswith("rank0.") and names[2].startswith("rank1.") and names[1].endswith(".safetensors")
     # resharded: one process reads the whole tensor back from the bucket
     whole = torch.zeros(256, 256)
     got = nostall.load({"w": whole, "b": torch.zeros(8), "meta": None}, f"{root}/step_3",
@@ -137,4 +138,31 @@ def test_trainer_killed_mid_upload_leaves_the_previous_checkpoint_latest(s3, tmp
     fs = s3.filesystem()
     fs.invalidate_cache()
     assert not fs.exists(f"{bucket}/run/step_2/manifest.json")
+    mgr.close()
+
+
+def test_resaving_a_step_keeps_the_old_one_valid_until_the_new_commit(s3, tmp_path):
+    bucket = s3.make_bucket("resave")
+    root = f"s3://{bucket}/run"
+    mgr = nostall.CheckpointManager(root, async_save=True, storage_options=s3.storage_options, timeout=30,
+                                    local_staging_dir=str(tmp_path))
+    mgr.save(5, {"w": torch.full((1024,), 1.0)})
+    mgr.finalize_pending_saves()
+    # a failed re-save of step 5 leaves the first one intact
+    mgr._saver.test_writer_fault = "enospc"
+    mgr.save(5, {"w": torch.full((1024,), 2.0)})
+    with pytest.raises(nostall.CheckpointSaveError, match="step 5"):
+        mgr.finalize_pending_saves()
+    w = torch.zeros(1024)
+    mgr.load({"w": w}, 5)
+    assert torch.equal(w, torch.full((1024,), 1.0))
+    # a successful one replaces it; the older data file is removed after the commit
+    mgr._saver.test_writer_fault = None
+    mgr.save(5, {"w": torch.full((1024,), 3.0)})
+    mgr.finalize_pending_saves()
+    mgr.load({"w": w}, 5)
+    assert torch.equal(w, torch.full((1024,), 3.0))
+    fs = s3.filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run/step_5", refresh=True))
+    assert len(names) == 2 and names[0] == "manifest.json" and names[1].startswith("rank0."), names
     mgr.close()

@@ -249,10 +249,15 @@ class Target:
 
     staging: str
     final: str
+    save_id: Optional[str] = None  # set once the save is planned
 
     def prepare(self) -> None:
         """Rank 0, before the plan: check the destination, drop stale staging data."""
         raise NotImplementedError
+
+    def data_name(self, name: str) -> str:
+        """What a planned data file is called in the checkpoint (object storage makes each save's names unique)."""
+        return name
 
     def open_staging(self) -> None:
         """Every rank, once the plan is valid: the staging directory rank 0 made must still be there."""

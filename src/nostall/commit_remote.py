@@ -2,7 +2,7 @@
 
 Layout under a root URL (``s3://bucket/run``)::
 
-    <root>/step_<N>/rank<r>.safetensors   data files, uploaded by each rank's writer
+    <root>/step_<N>/rank<r>.<id>.safetensors  data files, uploaded by each rank's writer
     <root>/step_<N>/manifest.json         uploaded last by rank 0: the commit point
     <root>/latest                         the step committed last, uploaded after the manifest
     <root>/.tmp/commit-<id>/rank<r>.json  per-rank done records, then outcome.json
@@ -10,9 +10,12 @@ Layout under a root URL (``s3://bucket/run``)::
 A ``step_<N>/`` prefix without its manifest is never listed, loaded or
 counted by retention. Each rank writes its files into a local staging
 directory (node-local disk), then uploads them with retries, so the trainer's
-stall is the same as for a local destination. Retention deletes an old
-checkpoint's manifest first, then its prefix. Re-saving a step first deletes
-that step's old manifest (a step saved again belongs to a newer timeline).
+stall is the same as for a local destination: the trainer makes no remote
+call. Data file names carry the save's id (``rank0.<id>.safetensors``), so
+re-saving a step never touches the files its older manifest names; that
+manifest stays valid until the new one replaces it, and the older files are
+deleted after the commit. Retention deletes an old checkpoint's manifest
+first, then its prefix.
 
 This module does not import torch (it runs in the writer process).
 """
@@ -94,18 +97,15 @@ class RemoteStepTarget:
 
     # -- every rank
     def prepare(self) -> None:
-        """Rank 0, before the plan: the bucket must be reachable; un-commit an older save of this step."""
-        fs = self._fs()
-        fs.invalidate_cache()
-        manifest = self._key(join(self.final, MANIFEST_NAME))
-        try:
-            if remote.retry(f"stat {self.final}", lambda: fs.exists(manifest)):
-                log.warning("%s exists from an earlier run; replacing it", self.final)
-                remote.retry(f"delete {self.final}", lambda: fs.rm(self._key(self.final), recursive=True))
-            else:  # a listing proves the bucket exists and that we may read it
-                remote.retry(f"list {self.root}", lambda: fs.ls(self._key(self.root).split("/")[0]))
-        except FileNotFoundError as e:
-            raise CheckpointSaveError(f"{self.root}: the bucket does not exist ({e})") from None
+        """Rank 0, before the plan: nothing remote (no round trip in the trainer's stall)."""
+
+    def data_name(self, name: str) -> str:
+        """``rank0.safetensors`` -> ``rank0.<save id>.safetensors``: a re-save of a step never
+        overwrites the files an older manifest of that step still names."""
+        if not self.save_id:
+            return name
+        stem, dot, ext = name.rpartition(".")
+        return f"{stem}.{self.save_id[:16]}.{ext}" if dot else f"{name}.{self.save_id[:16]}"
 
     def open_staging(self) -> None:
         """Every rank: a fresh local staging directory for its own files."""
@@ -120,11 +120,13 @@ class RemoteStepTarget:
             local = os.path.join(self.staging, name)
             size = os.path.getsize(local)
             t0 = time.monotonic()
-            dest = self._key(join(self.final, name))
-            remote.retry(f"upload {join(self.final, name)}", lambda: fs.put_file(local, dest), deadline=deadline)
+            url = join(self.final, self.data_name(name))
+            try:
+                remote.retry(f"upload {url}", lambda: fs.put_file(local, self._key(url)), deadline=deadline)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"uploading {url}: the bucket or prefix does not exist ({e})") from None
             dt = max(time.monotonic() - t0, 1e-9)
-            log.info("uploaded %s: %.1f MB in %.2fs (%.0f MB/s)", join(self.final, name), size / 1e6, dt,
-                     size / 1e6 / dt)
+            log.info("uploaded %s: %.1f MB in %.2fs (%.0f MB/s)", url, size / 1e6, dt, size / 1e6 / dt)
             crash_point("upload.done", self.step)
         shutil.rmtree(self.staging, ignore_errors=True)
 
@@ -145,6 +147,18 @@ class RemoteStepTarget:
         remote.retry(f"upload {url}", lambda: fs.pipe_file(self._key(url), manifest))
         crash_point("commit.renamed", self.step)
         self.point_latest()
+        self._drop_other_saves(set(files))
+
+    def _drop_other_saves(self, keep: set) -> None:
+        """After the commit: delete data files of earlier or failed saves of this step."""
+        try:
+            fs = self._fs()
+            for path in fs.ls(self._key(self.final), detail=False, refresh=True):
+                name = os.path.basename(str(path))
+                if name != MANIFEST_NAME and name not in keep:
+                    fs.rm(str(path))
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not remove older data files under %s: %s", self.final, e)
 
     def point_latest(self) -> None:
         fs = self._fs()
@@ -174,12 +188,16 @@ class RemoteStepTarget:
             log.warning("retention after step %d failed: %s", self.step, e)
 
     def abort(self) -> None:
-        """Rank 0, after a failure: delete what was uploaded for this step (there is no manifest)."""
-        try:
-            fs = self._fs()
-            key = self._key(self.final)
-            if fs.exists(key):
-                fs.rm(key, recursive=True)
-        except Exception as e:
-            log.warning("could not remove the partial upload %s: %s", self.final, e)
+        """Rank 0, after a failure: delete this save's uploaded files (an older manifest of the step stays valid)."""
+        if self.save_id:
+            try:
+                fs = self._fs()
+                tag = f".{self.save_id[:16]}."
+                for path in fs.ls(self._key(self.final), detail=False, refresh=True):
+                    if tag in os.path.basename(str(path)):
+                        fs.rm(str(path))
+            except FileNotFoundError:
+                pass
+            except Exception as e:
+                log.warning("could not remove the partial upload under %s: %s", self.final, e)
         shutil.rmtree(self.staging, ignore_errors=True)

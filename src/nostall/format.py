@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
@@ -218,6 +218,24 @@ class Manifest:
             tensors={k: fill(t) for k, t in self.tensors.items()},
             objects=self.objects,
             per_rank=tuple(RankRecord({k: fill(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
+            version=self.version,
+        )
+
+    def renamed(self, name: Callable[[str], str]) -> "Manifest":
+        """This manifest with every data file ``n`` called ``name(n)``."""
+
+        def move(t: TensorRecord) -> TensorRecord:
+            pieces = tuple(PieceRecord(p.offset, p.shape, name(p.file), p.start, p.end, p.crc32c) for p in t.pieces)
+            return TensorRecord(t.key, t.dtype, t.shape, t.sharded, pieces)
+
+        return Manifest(
+            step=self.step,
+            world_size=self.world_size,
+            block_size=self.block_size,
+            files={name(n): FileRecord(name(n), f.rank, f.size) for n, f in self.files.items()},
+            tensors={k: move(t) for k, t in self.tensors.items()},
+            objects=self.objects,
+            per_rank=tuple(RankRecord({k: move(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
             version=self.version,
         )
 

@@ -83,6 +83,11 @@ class PendingSave:
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
 
 
+def _renamed_crcs(crcs: Crcs, target: Target) -> Crcs:
+    """Checksums keyed by the data files' names in the checkpoint (see Target.data_name)."""
+    return {(target.data_name(n), s, e): c for (n, s, e), c in crcs.items()}
+
+
 def _uploads(target: Target) -> bool:
     """Object-storage targets: each rank stages its files locally, then uploads them."""
     return hasattr(target, "upload")
@@ -166,8 +171,9 @@ class Saver:
             step, round1[0][5], flat, plan, objects, [r[3][1] for r in round1], cached, t0, time.perf_counter()
         )
 
-    def _skeleton(self, p: Prepared) -> Manifest:
-        return manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step, self.block_size)
+    def _skeleton(self, p: Prepared, target: Target) -> Manifest:
+        return manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step, self.block_size).renamed(
+            target.data_name)
 
     # ------------------------------------------------------------------ synchronous
     def save(self, state: Any, target: Target, step: Optional[int], t_call: Optional[float] = None) -> SaveStats:
@@ -179,6 +185,7 @@ class Saver:
         comm = self.comm
         t_start = time.perf_counter()
         p = self.prepare(state, target, step, t_call)
+        target.save_id = p.save_id
         crash_point("planned", step)
         crcs: Optional[Crcs] = None
         nbytes = 0
@@ -214,7 +221,8 @@ class Saver:
                     for o in outcomes:
                         merged.update(o[1])
                     crash_point("commit.ready", step)
-                    target.publish(self._skeleton(p).with_crcs(merged).to_json_bytes(), p.plan.file_sizes())
+                    target.publish(self._skeleton(p, target).with_crcs(_renamed_crcs(merged, target)).to_json_bytes(),
+                                   {target.data_name(n): size for n, size in p.plan.file_sizes().items()})
                 except Exception as e:
                     commit_err = f"commit of {target.final}: {describe(e)}"
                     log.error("save of step %s: %s", step, commit_err)
@@ -246,6 +254,7 @@ class Saver:
         comm = self.comm
         t_start = time.perf_counter()
         p = self.prepare(state, target, step, t_call)
+        target.save_id = p.save_id
         crash_point("planned", step)
         records = records_prefix + p.save_id
         writer.ensure_alive()
@@ -253,7 +262,7 @@ class Saver:
         job = SaveJob(
             save_id=p.save_id, step=step, rank=comm.rank, world_size=comm.size, staging=target.staging,
             records=records, files=(), block_size=self.block_size, timeout=self.timeout,
-            commit=CommitJob(self._skeleton(p), target) if comm.rank == 0 else None,
+            commit=CommitJob(self._skeleton(p, target), target) if comm.rank == 0 else None,
             writers=tuple(range(comm.size)), test_delay_s=self.test_writer_delay_s,
             test_fault=self.test_writer_fault,
             upload=target if _uploads(target) else None, storage_options=getattr(target, "storage_options", None),

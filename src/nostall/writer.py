@@ -191,6 +191,7 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
             res.bytes_written += f.size
         if job.upload is not None:
             job.upload.upload([f.name for f in job.files])
+            crcs = {(job.upload.data_name(n), s, e): c for (n, s, e), c in crcs.items()}
         mine: Dict[str, Any] = {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in crcs.items()]}
     except Exception as e:
         mine = {"ok": False, "error": f"rank {job.rank}: {describe(e)}"}
