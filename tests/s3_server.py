@@ -64,3 +64,96 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+class FlakyProxy:
+    """A TCP proxy on 127.0.0.1 in front of the S3 server that can drop connections.
+
+    ``outage(seconds)`` closes every live connection and resets every new one
+    for that long, as a network blip or an overloaded endpoint would; then
+    traffic flows again. ``dropped`` counts the connections it cut.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        import socket
+        import threading
+
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.dropped = 0
+        self._until = 0.0
+        self._live: list = []
+        self._lock = threading.Lock()
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def storage_options(self) -> Dict[str, Any]:
+        return {"key": "testing", "secret": "testing",
+                "client_kwargs": {"endpoint_url": self.url, "region_name": "us-east-1"},
+                "config_kwargs": {"retries": {"max_attempts": 1}}}  # leave retrying to nostall
+
+    def outage(self, seconds: float) -> None:
+        with self._lock:
+            self._until = time.monotonic() + seconds
+            for s in self._live:
+                self._reset(s)
+            self._live.clear()
+
+    def _reset(self, s: Any) -> None:
+        import socket
+        import struct
+
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        except OSError:
+            pass
+        self.dropped += 1
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if time.monotonic() < self._until:
+                    self._reset(client)
+                    continue
+                try:
+                    up = socket.create_connection(self.upstream)
+                except OSError:
+                    self._reset(client)
+                    continue
+                self._live.append(client)
+            for a, b in ((client, up), (up, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: Any, dst: Any) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        self.sock.close()

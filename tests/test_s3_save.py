@@ -166,3 +166,42 @@ def test_resaving_a_step_keeps_the_old_one_valid_until_the_new_commit(s3, tmp_pa
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/run/step_5", refresh=True))
     assert len(names) == 2 and names[0] == "manifest.json" and names[1].startswith("rank0."), names
     mgr.close()
+
+
+def test_transient_upload_failure_is_retried_and_a_lasting_one_fails_cleanly(s3, tmp_path):
+    from tests.s3_server import FlakyProxy
+
+    bucket = s3.make_bucket("flaky")
+    proxy = FlakyProxy(s3.port)
+    so = proxy.storage_options()
+    root = f"s3://{bucket}/run"
+    # s3fs retries each call itself (5 times) under ours: give the layers room within the timeout
+    mgr = nostall.CheckpointManager(root, async_save=True, storage_options=so, timeout=10,
+                                    local_staging_dir=str(tmp_path))
+    try:
+        mgr.save(1, {"w": torch.full((1 << 18,), 1.0)})
+        mgr.finalize_pending_saves()
+        # a 1.5 s outage while step 2 uploads: the writer's retries ride it out
+        mgr._saver.test_writer_delay_s = 0.2
+        mgr.save(2, {"w": torch.full((1 << 18,), 2.0)})
+        proxy.outage(1.5)
+        mgr.finalize_pending_saves()
+        assert proxy.dropped > 0 and mgr.latest_step() == 2
+        # an outage longer than the timeout: an error naming the step (the writer's own, or the bound
+        # on waiting for it), nothing committed, step 2 still latest
+        mgr.save(3, {"w": torch.full((1 << 18,), 3.0)})
+        proxy.outage(60)
+        with pytest.raises(nostall.CheckpointError, match="step 3"):
+            mgr.finalize_pending_saves()
+        proxy.outage(0)
+        try:
+            mgr.finalize_pending_saves(timeout=30)  # let the writer finish giving up
+        except nostall.CheckpointSaveError as e:
+            assert "step 3" in str(e)
+        assert mgr.latest_step() == 2 and mgr.steps() == [1, 2]
+        w = torch.zeros(1 << 18)
+        mgr.load({"w": w})
+        assert torch.equal(w, torch.full((1 << 18,), 2.0))
+    finally:
+        mgr.close()
+        proxy.close()

@@ -116,12 +116,16 @@ def record_crcs(rec: Dict[str, Any]) -> Crcs:
     return {(n, int(s), int(e)): tuple(c) for n, s, e, c in rec["crcs"]}
 
 
-def write_record(path: str, doc: Dict[str, Any], storage_options: Optional[Dict[str, Any]] = None) -> None:
-    """Publish a small JSON record atomically (readers never see half of it): a file, or an object."""
+def write_record(path: str, doc: Dict[str, Any], storage_options: Optional[Dict[str, Any]] = None,
+                 deadline: Optional[float] = None) -> None:
+    """Publish a small JSON record atomically (readers never see half of it): a file, or an object.
+
+    Remote writes are retried until ``deadline`` (monotonic time) at most.
+    """
     data = json.dumps(doc, sort_keys=True).encode()
     if remote.is_remote(path):
         fs, key = remote.filesystem(path, storage_options)
-        remote.retry(f"upload {path}", lambda: fs.pipe_file(key, data))
+        remote.retry(f"upload {path}", lambda: fs.pipe_file(key, data), deadline=deadline)
         return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     storage.atomic_write(path, data)
@@ -146,6 +150,11 @@ def list_records(records: str, storage_options: Optional[Dict[str, Any]] = None)
             return {os.path.basename(str(p)) for p in fs.ls(key, detail=False, refresh=True)}
         return set(os.listdir(records))
     except FileNotFoundError:
+        return set()
+    except Exception as e:  # a network blip: the caller polls again, within its deadline
+        if not remote.is_remote(records):
+            raise
+        log.debug("listing %s failed (%s); will look again", records, e)
         return set()
 
 
@@ -200,10 +209,10 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     crash_point("write.done", job.step)
     t1 = time.perf_counter()
     try:
-        write_record(done_record(job.records, job.rank), mine, job.storage_options)
+        write_record(done_record(job.records, job.rank), mine, job.storage_options, deadline)
         if job.commit is not None:
             outcome = _commit(job, deadline)
-            write_record(outcome_record(job.records), outcome, job.storage_options)
+            write_record(outcome_record(job.records), outcome, job.storage_options, deadline + _COMMIT_SLACK_S / 4)
             if outcome.get("ok"):
                 job.commit.target.retain()  # after the other ranks can know the outcome
         else:
