@@ -93,3 +93,17 @@ def _rank_load(rank, world_size, url, storage_options):
 
 def test_two_ranks_load_their_shards_from_s3(pool2, s3, uploaded):
     assert pool2.run(_rank_load, uploaded, s3.storage_options) == [True, True]
+
+
+def test_cli_inspect_and_verify_an_s3_checkpoint(s3, uploaded, capsys):
+    import json
+
+    from nostall.cli import main as cli_main
+
+    so = json.dumps(s3.storage_options)
+    assert cli_main(["verify", uploaded, "--storage-options", so]) == 0
+    assert "OK  s3://ckpts/run/step_7" in capsys.readouterr().out
+    # a run root resolves to its newest checkpoint
+    assert cli_main(["inspect", "--json", "s3://ckpts/run", "--storage-options", so]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["path"] == uploaded and [t["key"] for t in doc["tensors"]] == ["w"]

@@ -27,6 +27,7 @@ from .errors import CheckpointError
 from .format import MANIFEST_NAME
 from .staging import StagingArea
 from .writer import (
+    LOG_LEVEL_ENV,
     Crcs,
     JobResult,
     SaveJob,
@@ -97,6 +98,7 @@ class BackgroundWriter:
         pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env[ROLE_ENV] = "writer"
+        env[LOG_LEVEL_ENV] = str(logging.getLogger("nostall").getEffectiveLevel())
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _WRITER_MAIN, str(child.fileno()), str(os.getpid())],

@@ -8,14 +8,21 @@ import os
 import sys
 from typing import Any, Dict, List, Optional
 
-from . import commit
+from . import commit, commit_remote, remote
 from .errors import CheckpointError
-from .format import Manifest
+from .format import MANIFEST_NAME, Manifest
 from .loading import check_checkpoint, read_manifest
 
 
-def _resolve(path: str) -> str:
-    """A checkpoint directory, or a manager root (then its newest checkpoint)."""
+def _resolve(path: str, so: Optional[Dict[str, Any]] = None) -> str:
+    """A checkpoint directory (or URL), or a manager root (then its newest checkpoint)."""
+    if remote.is_remote(path):
+        path = path.rstrip("/")
+        step = commit_remote.latest_step(path, so)
+        fs, key = remote.filesystem(path, so)
+        if step is not None and not fs.exists(f"{key}/{MANIFEST_NAME}"):
+            return commit_remote.join(path, f"step_{step}")
+        return path
     if commit.is_committed(path):
         return path
     steps = commit.committed_steps(path)
@@ -43,7 +50,7 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
             "bytes": nbytes,
         })
     return {
-        "path": os.path.abspath(path),
+        "path": path if remote.is_remote(path) else os.path.abspath(path),
         "step": m.step,
         "format_version": m.version,
         "world_size": m.world_size,
@@ -75,9 +82,14 @@ def _print_summary(s: Dict[str, Any]) -> None:
         print(f"per rank    {', '.join(keys)}  (x {len(pr)} ranks)")
 
 
+def _options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
+    return json.loads(args.storage_options) if args.storage_options else None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
-    path = _resolve(args.path)
-    m = read_manifest(path)
+    so = _options(args)
+    path = _resolve(args.path, so)
+    m = read_manifest(path, so)
     s = _summary(path, m)
     if args.json:
         json.dump(s, sys.stdout, indent=1)
@@ -88,9 +100,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    path = _resolve(args.path)
-    report = check_checkpoint(path)
-    where = os.path.abspath(path)
+    so = _options(args)
+    path = _resolve(args.path, so)
+    report = check_checkpoint(path, so)
+    where = path if remote.is_remote(path) else os.path.abspath(path)
     if report.problems:
         print(f"FAILED  {where}: {len(report.problems)} problem(s)", file=sys.stderr)
         for problem in report.problems:
@@ -113,9 +126,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pi.set_defaults(fn=cmd_inspect)
+    so_help = "object storage: fsspec options as JSON, e.g. '{\"client_kwargs\": {\"endpoint_url\": ...}}'"
+    pi.add_argument("--storage-options", default=None, help=so_help)
     pv = sub.add_parser("verify", help="re-read every byte and check every checksum")
     pv.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
     pv.set_defaults(fn=cmd_verify)
+    pv.add_argument("--storage-options", default=None, help=so_help)
     pb = sub.add_parser("bench", help="benchmark against PyTorch DCP, torch.save and the machine's limits",
                         add_help=False)
     pb.add_argument("rest", nargs=argparse.REMAINDER)

@@ -72,6 +72,28 @@ def latest_step(root: str, storage_options: Optional[Dict[str, Any]] = None) -> 
     return steps[-1] if steps else None
 
 
+UPLOAD_PART = 64 << 20  # multipart part size
+PROGRESS_EVERY_S = 10.0
+
+
+def _put(fs: Any, local: str, key: str, url: str, size: int) -> None:
+    """Stream ``local`` to ``key`` in multipart parts, logging progress (bytes, rate) every 10 s."""
+    t0 = last = time.monotonic()
+    done = 0
+    with open(local, "rb") as src, fs.open(key, "wb", block_size=UPLOAD_PART) as dst:
+        while True:
+            chunk = src.read(UPLOAD_PART)
+            if not chunk:
+                break
+            dst.write(chunk)
+            done += len(chunk)
+            now = time.monotonic()
+            if now - last >= PROGRESS_EVERY_S:
+                last = now
+                log.info("uploading %s: %.0f of %.0f MB (%.0f MB/s)", url, done / 1e6, size / 1e6,
+                         done / 1e6 / (now - t0))
+
+
 class RemoteStepTarget:
     """``<root>/step_<N>`` on object storage (the remote counterpart of commit.StepTarget).
 
@@ -122,7 +144,7 @@ class RemoteStepTarget:
             t0 = time.monotonic()
             url = join(self.final, self.data_name(name))
             try:
-                remote.retry(f"upload {url}", lambda: fs.put_file(local, self._key(url)), deadline=deadline)
+                remote.retry(f"upload {url}", lambda: _put(fs, local, self._key(url), url, size), deadline=deadline)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"uploading {url}: the bucket or prefix does not exist ({e})") from None
             dt = max(time.monotonic() - t0, 1e-9)

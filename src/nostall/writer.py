@@ -317,6 +317,22 @@ def _lower_priority() -> None:
             pass
 
 
+LOG_LEVEL_ENV = "NOSTALL_WRITER_LOG_LEVEL"
+
+
+def _log_like_the_trainer() -> None:
+    """Send this process's nostall log records to stderr at the trainer's level (upload progress, retries)."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if not level:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[nostall writer %(process)d] %(levelname)s %(message)s"))
+    logger = logging.getLogger("nostall")
+    logger.addHandler(handler)
+    logger.setLevel(int(level))
+    logger.propagate = False
+
+
 def _exit_with_trainer(trainer_pid: int) -> None:
     """A daemon thread that kills this process once the trainer is gone.
 
@@ -352,6 +368,7 @@ def main(fd: int, trainer_pid: int = 0) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _lower_priority()
+    _log_like_the_trainer()
     if trainer_pid:
         _exit_with_trainer(trainer_pid)
     sock = socket.socket(fileno=fd)
