@@ -6,6 +6,7 @@ import errno
 import os
 
 import torch
+import torch.distributed as dist
 
 from tests.dist_harness import run_ranks
 
@@ -65,6 +66,7 @@ def _bad_states(rank, world, root):
         t = {"w": torch.zeros(4), "s": nostall.ShardedTensor(torch.zeros(2), (4,), (2 * rank,))}
         mgr.load(t)
         assert torch.equal(t["s"].data, torch.full((2,), float(rank)))
+        dist.barrier()  # every rank has looked before rank 0 starts the next save's staging
         # and the manager still works
         mgr.save(9, good)
         assert mgr.steps() == [1, 9]
@@ -101,6 +103,7 @@ def _write_fails_on_rank1(rank, world, root):
         t = {"w": torch.zeros(1000), "s": nostall.ShardedTensor(torch.zeros(8), (16,), (8 * rank,))}
         mgr.load(t)
         assert torch.equal(t["s"].data, torch.ones(8) * rank)
+        dist.barrier()  # every rank has looked before rank 0 starts the next save's staging
         mgr.save(2, state)  # space is back
         assert mgr.latest_step() == 2
     return msg
