@@ -151,11 +151,12 @@ def test_destination_becomes_unwritable_mid_run(pool2, tmp_path, async_save):
         assert latest == 1 and ok_again is None
 
 
-def _on_read_only_fs(rank, world, root):
+def _open_manager(rank, world, root):
+    """The error creating a manager on ``root`` gives on this rank (None: it worked)."""
     import nostall
 
     try:
-        nostall.CheckpointManager(root, timeout=20)
+        nostall.CheckpointManager(root, timeout=20).close()
     except nostall.CheckpointSaveError as e:
         return str(e)
     return None
@@ -168,21 +169,11 @@ def test_read_only_filesystem_is_a_clear_error_on_every_rank(pool2, tmp_path):
     if r.returncode != 0:
         pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip() or r.returncode}")
     try:
-        out = pool2.run(_on_read_only_fs, str(mnt / "run"))
+        out = pool2.run(_open_manager, str(mnt / "run"))
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
     for msg in out:
         assert msg is not None and "Read-only file system" in msg and str(mnt / "run") in msg, msg
-
-
-def _forbidden(rank, world, root):
-    import nostall
-
-    try:
-        nostall.CheckpointManager(os.path.join(root, "run"), timeout=20)
-    except nostall.CheckpointSaveError as e:
-        return str(e)
-    return None
 
 
 def test_forbidden_destination_is_a_clear_error_on_every_rank(pool2, tmp_path):
@@ -192,7 +183,7 @@ def test_forbidden_destination_is_a_clear_error_on_every_rank(pool2, tmp_path):
     if undo is None:
         pytest.skip("running as root and chattr +i is not supported here")
     try:
-        out = pool2.run(_forbidden, str(parent))
+        out = pool2.run(_open_manager, str(parent / "run"))
     finally:
         subprocess.run(undo, check=False)
     for msg in out:

@@ -224,7 +224,8 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
     res.commit_s = time.perf_counter() - t1
     res.ok = bool(outcome.get("ok"))
     if not res.ok:
-        _remove_own_files(job)
+        if mine.get("ok"):  # a failed write already removed its files
+            _remove_own_files(job)
         res.error = outcome.get("error") or "unknown error"
         if not mine.get("ok") and mine.get("error") not in res.error:
             res.error = f"{mine['error']}; {res.error}"

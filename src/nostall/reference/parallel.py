@@ -6,8 +6,8 @@ a TP group are neighbours (on one host, in a real cluster).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, List
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ class ParallelGroups:
     layout: ParallelLayout
     tp_group: Any = None
     dp_group: Any = None
-    _owned: Optional[List[Any]] = None
+    _owned: List[Any] = field(default_factory=list)
 
     @property
     def tp_size(self) -> int:
@@ -42,25 +42,27 @@ def init_parallel(tp: int) -> ParallelGroups:
         raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world}")
     dp = world // tp
     layout = ParallelLayout(tp_rank=rank % tp, tp_size=tp, dp_rank=rank // tp, dp_size=dp)
-    groups = ParallelGroups(layout, _owned=[])
+    groups = ParallelGroups(layout)
     if world == 1:
         return groups
-    # every rank creates every group, in the same order (new_group is collective)
-    for d in range(dp):
-        ranks = [d * tp + t for t in range(tp)]
-        g = dist.new_group(ranks, backend="gloo") if tp > 1 else None
-        if g is not None:
-            groups._owned.append(g)  # type: ignore[union-attr]
-        if rank in ranks:
-            groups.tp_group = g
-    for t in range(tp):
-        ranks = [d * tp + t for d in range(dp)]
-        g = dist.new_group(ranks, backend="gloo") if dp > 1 else None
-        if g is not None:
-            groups._owned.append(g)  # type: ignore[union-attr]
-        if rank in ranks:
-            groups.dp_group = g
+    groups.tp_group = _subgroups(rank, [[d * tp + t for t in range(tp)] for d in range(dp)], groups._owned)
+    groups.dp_group = _subgroups(rank, [[d * tp + t for d in range(dp)] for t in range(tp)], groups._owned)
     return groups
+
+
+def _subgroups(rank: int, partition: List[List[int]], owned: List[Any]) -> Any:
+    """Create a gloo group per part (none for single ranks); return this rank's.
+
+    Every rank creates every group, in the same order: ``new_group`` is collective.
+    """
+    mine = None
+    for ranks in partition:
+        g = dist.new_group(ranks, backend="gloo") if len(ranks) > 1 else None
+        if g is not None:
+            owned.append(g)
+        if rank in ranks:
+            mine = g
+    return mine
 
 
 class _CopyToTP(torch.autograd.Function):

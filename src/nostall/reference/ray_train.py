@@ -10,7 +10,6 @@ unconditionally, through :class:`~nostall.integrations.ray.WorkerDispatch`.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any, Dict, List, Optional
@@ -115,8 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         finally:
             dispatch.shutdown()
         if args.history:
-            with open(args.history, "w") as f:
-                json.dump(result.as_dict(), f, indent=1)
+            result.write_json(args.history)
     finally:
         ray.shutdown()
     return 0

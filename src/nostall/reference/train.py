@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import sys
 from typing import List, Optional
@@ -76,8 +75,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         result = train(config_from_args(args))
         if rank == 0 and args.history:
-            with open(args.history, "w") as f:
-                json.dump(result.as_dict(), f, indent=1)
+            result.write_json(args.history)
     finally:
         dist.destroy_process_group()
     return 0

@@ -17,6 +17,7 @@ uninterrupted one bit for bit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -90,6 +91,10 @@ class RunResult:
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.as_dict(), f, indent=1)
 
 
 def reward(tokens: torch.Tensor) -> torch.Tensor:
@@ -189,8 +194,12 @@ class Trainer:
         self._rollouts: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ checkpoint lifecycle
+    def _counters(self) -> Dict[str, Any]:
+        """The trainer's own JSON state: step, loop and data-loader position."""
+        return {"step": self.step, "loop": self.cfg.loop, "loader": self.loader.state_dict()}
+
     def _extra(self) -> Dict[str, Any]:
-        extra: Dict[str, Any] = {"step": self.step, "loop": self.cfg.loop, "loader": self.loader.state_dict()}
+        extra: Dict[str, Any] = self._counters()
         if self.cfg.loop == "async_rl":
             prompts, tokens = self._rollouts[self.step + 1]
             extra["rollout"] = PerRank({"prompts": prompts, "tokens": tokens})
@@ -262,7 +271,7 @@ class Trainer:
         """Plan the checkpoint and allocate its staging memory now, so the first save stalls no longer than
         the others (collective). Call it once the optimizer state exists (after a step or a resume)."""
         extra = self._extra_template() or {}
-        extra = {**extra, "step": self.step, "loop": self.cfg.loop, "loader": self.loader.state_dict()}
+        extra = {**extra, **self._counters()}
         self.strategy.prepare_checkpoint(self.cfg.ckpt_dir, self.model, self.optimizer, self.scheduler, extra)
 
     def finalize(self) -> None:
@@ -388,7 +397,7 @@ class Trainer:
         """Time one synchronous save of the current state into a scratch root (then removed)."""
         root = os.path.abspath(self.cfg.ckpt_dir).rstrip("/") + "-sync-reference"
         probe = Strategy(self.layout, async_save=False, timeout=self.cfg.timeout)
-        extra = {"step": self.step, "loop": self.cfg.loop, "loader": self.loader.state_dict()}
+        extra = self._counters()
         try:
             stall = 0.0
             for _ in range(2):  # the second save is the steady state (plan cached), like the async ones
