@@ -72,26 +72,31 @@ def latest_step(root: str, storage_options: Optional[Dict[str, Any]] = None) -> 
     return steps[-1] if steps else None
 
 
-UPLOAD_PART = 64 << 20  # multipart part size
+UPLOAD_PART_BYTES = 32 << 20  # multipart part size (s3fs); parts go up S3_MAX_CONCURRENCY at a time
 PROGRESS_EVERY_S = 10.0
 
 
 def _put(fs: Any, local: str, key: str, url: str, size: int) -> None:
-    """Stream ``local`` to ``key`` in multipart parts, logging progress (bytes, rate) every 10 s."""
-    t0 = last = time.monotonic()
-    done = 0
-    with open(local, "rb") as src, fs.open(key, "wb", block_size=UPLOAD_PART) as dst:
-        while True:
-            chunk = src.read(UPLOAD_PART)
-            if not chunk:
-                break
-            dst.write(chunk)
-            done += len(chunk)
-            now = time.monotonic()
-            if now - last >= PROGRESS_EVERY_S:
-                last = now
-                log.info("uploading %s: %.0f of %.0f MB (%.0f MB/s)", url, done / 1e6, size / 1e6,
-                         done / 1e6 / (now - t0))
+    """Upload ``local`` to ``key`` (multipart with parallel parts on s3), logging progress every 10 s."""
+    from fsspec.callbacks import Callback
+
+    t0 = time.monotonic()
+    last = [t0]
+
+    def progress(total: Optional[int], done: int, **_: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            log.info("uploading %s: %.0f of %.0f MB (%.0f MB/s)", url, done / 1e6, size / 1e6,
+                     done / 1e6 / (now - t0))
+
+    extra = {"chunksize": UPLOAD_PART_BYTES} if "s3" in _protocols(fs) else {}
+    fs.put_file(local, key, callback=Callback(hooks={"progress": progress}), **extra)
+
+
+def _protocols(fs: Any) -> tuple:
+    p = fs.protocol
+    return (p,) if isinstance(p, str) else tuple(p)
 
 
 class RemoteStepTarget:
@@ -100,6 +105,8 @@ class RemoteStepTarget:
     Picklable: it travels to the writer processes, which upload their files
     through :meth:`upload`; rank 0's writer then commits through :meth:`publish`.
     """
+
+    save_id: Optional[str] = None  # set once the save is planned
 
     def __init__(self, root: str, step: int, keep_last: Optional[int], local_staging: str,
                  storage_options: Optional[Dict[str, Any]], timeout: float) -> None:
@@ -191,6 +198,8 @@ class RemoteStepTarget:
             log.warning("step %d is committed but updating %s failed: %s", self.step, url, e)
 
     def retain(self) -> None:
+        """After the commit: sweep the leftovers of earlier saves, then apply ``keep_last``."""
+        self._sweep()
         if self.keep_last is None:
             return
         try:
@@ -208,6 +217,34 @@ class RemoteStepTarget:
                 log.info("retention: deleted %s", url)
         except Exception as e:  # the checkpoint is committed; retention is best effort
             log.warning("retention after step %d failed: %s", self.step, e)
+
+    def _sweep(self) -> None:
+        """Delete what earlier saves left: records under ``.tmp/`` and ``step_*`` prefixes without a manifest.
+
+        Safe once this save is committed: a manager has one save in flight, and
+        every rank finished the previous one before this one was planned. (Two
+        jobs saving to one root are not supported: object storage has no lock.)
+        """
+        try:
+            fs = self._fs()
+            root = self._key(self.root).rstrip("/")
+            current = f"commit-{self.save_id}"
+            stale = []
+            try:
+                records = remote.retry("list records", lambda: fs.ls(f"{root}/.tmp", detail=False, refresh=True))
+            except FileNotFoundError:
+                records = []
+            stale += [str(p) for p in records if os.path.basename(str(p).rstrip("/")) != current]
+            committed = set(committed_steps(self.root, self.storage_options))
+            for p in remote.retry(f"list {self.root}", lambda: fs.ls(root, detail=False, refresh=True)):
+                m = _STEP_RE.search(str(p).rstrip("/"))
+                if m and int(m.group(1)) not in committed and int(m.group(1)) != self.step:
+                    stale.append(str(p))
+            for p in stale:
+                remote.retry(f"delete {p}", lambda: fs.rm(p, recursive=True))
+                log.info("removed %s, left by an earlier save", p)
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not sweep the leftovers of earlier saves under %s: %s", self.root, e)
 
     def abort(self) -> None:
         """Rank 0, after a failure: delete this save's uploaded files (an older manifest of the step stays valid)."""

@@ -270,9 +270,10 @@ class CheckpointManager:
             records = (commit_remote.join(self.root, commit.TMP_DIR, "commit-") if self.remote
                        else os.path.join(self.root, commit.TMP_DIR, "commit-"))
             pending = self._saver.save_async(state, target, step, records, self._writer, t_call)
-            if self.rank == 0 and self._last_records is not None:
+            if self.rank == 0 and self._last_records is not None and not self.remote:
                 # every rank finished waiting for the previous save before this one's plan
-                self._remove_records(self._last_records)
+                # (on object storage, rank 0's writer sweeps them after its commit: no remote call here)
+                storage.remove_tree(self._last_records)
             self._last_records = pending.job.records
             handle = SaveHandle(step, target.final, driver=self._drive, peek=self._peek, reported=self._reported)
             self._pending = (pending, handle)
@@ -285,16 +286,6 @@ class CheckpointManager:
             return commit_remote.RemoteStepTarget(self.root, step, self.keep_last, local, self.storage_options,
                                                   self.timeout)
         return commit.StepTarget(self.root, step, self.keep_last)
-
-    def _remove_records(self, records: str) -> None:
-        if not self.remote:
-            storage.remove_tree(records)
-            return
-        try:
-            fs, key = remote.filesystem(records, self.storage_options)
-            fs.rm(key, recursive=True)
-        except Exception as e:  # bookkeeping only
-            log.debug("could not remove %s: %s", records, e)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.

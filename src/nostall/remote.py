@@ -2,14 +2,26 @@
 
 Local paths never come here. A remote path is resolved with
 ``fsspec.core.url_to_fs(path, **storage_options)``; the protocol's package
-(s3fs, gcsfs, adlfs) must be installed. Every call is retried with
-exponential backoff on transient errors, and bounded in time overall.
+(s3fs, gcsfs, adlfs) must be installed.
+
+Retries come in two layers, each bounded:
+
+* the back end retries a single request (s3fs: 5 attempts over about 2 s,
+  each request under its connect and read timeouts); botocore's own retry
+  loop is switched off for ``s3://`` unless the caller configured it, so that
+  the layers do not multiply;
+* :func:`retry` repeats a whole operation (an upload of a file, a listing)
+  with jittered exponential backoff, and, given a deadline, abandons an
+  attempt still running when the deadline passes: a stuck transfer becomes a
+  ``TimeoutError`` naming the operation, never a hang.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
+import threading
 import time
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
@@ -21,6 +33,7 @@ T = TypeVar("T")
 
 RETRIES = 5
 BACKOFF_S = 0.2
+S3_MAX_CONCURRENCY = 4  # parallel multipart parts per upload (s3fs's default is 10)
 
 
 def is_remote(path: Any) -> bool:
@@ -36,9 +49,19 @@ def filesystem(path: str, storage_options: Optional[Dict[str, Any]] = None) -> T
     except ImportError as e:
         raise CheckpointError(f"{path}: object storage needs fsspec (pip install 'nostall[s3]')") from e
     try:
-        return fsspec.core.url_to_fs(path, **(storage_options or {}))
+        return fsspec.core.url_to_fs(path, **_with_defaults(path, storage_options))
     except (ImportError, ValueError) as e:
         raise CheckpointError(f"{path}: no fsspec back end for this protocol: {e}") from e
+
+
+def _with_defaults(path: str, storage_options: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The caller's options, plus nostall's defaults for ``s3://`` where the caller set none."""
+    opts = copy.deepcopy(storage_options) if storage_options else {}
+    if path.split("://", 1)[0] in ("s3", "s3a"):
+        opts.setdefault("max_concurrency", S3_MAX_CONCURRENCY)
+        config = opts.setdefault("config_kwargs", {})
+        config.setdefault("retries", {"max_attempts": 1})  # s3fs and retry() retry; botocore does not
+    return opts
 
 
 def _transient(e: BaseException) -> bool:
@@ -50,12 +73,42 @@ def _transient(e: BaseException) -> bool:
     )
 
 
+def bounded(what: str, fn: Callable[[], T], deadline: float) -> T:
+    """``fn()`` run in a daemon thread and waited for until ``deadline`` (``time.monotonic()``).
+
+    An attempt still running at the deadline is abandoned (the thread is left
+    to finish or fail on its own) and ``TimeoutError`` is raised.
+    """
+    box: Dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the waiting thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    t0 = time.monotonic()
+    threading.Thread(target=run, name=f"nostall-remote: {what}"[:60], daemon=True).start()
+    if not done.wait(max(0.0, deadline - t0)):
+        raise TimeoutError(f"{what}: no result after {time.monotonic() - t0:.1f}s, at the deadline "
+                           "(the manager's timeout); abandoned")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def retry(what: str, fn: Callable[[], T], *, retries: int = RETRIES, deadline: Optional[float] = None) -> T:
-    """``fn()``, retried with jittered exponential backoff on transient errors (bounded by ``deadline``)."""
+    """``fn()``, retried with jittered exponential backoff on transient errors.
+
+    With a ``deadline`` (``time.monotonic()``), no attempt starts or runs past it (see :func:`bounded`).
+    """
     delay = BACKOFF_S
     for attempt in range(retries + 1):
         try:
-            return fn()
+            return fn() if deadline is None else bounded(what, fn, deadline)
         except Exception as e:
             last = attempt == retries or not _transient(e)
             if deadline is not None and time.monotonic() + delay > deadline:
