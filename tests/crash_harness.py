@@ -45,6 +45,39 @@ STEPS_PER_JOB = 5
 TRAINER_POINTS = ("planned", "staged")
 WRITER_POINTS = ("write.start", "write.done")
 COMMIT_POINTS = ("commit.ready", "commit.manifest", "commit.renamed", "retain.moved")
+# object storage: rank 0's writer uploads the manifest between commit.ready and commit.renamed
+REMOTE_WRITER_POINTS = ("write.start", "upload.done", "write.done")
+REMOTE_COMMIT_POINTS = ("commit.ready", "commit.renamed", "retain.moved")
+
+
+@dataclass
+class Dest:
+    """Where the trials save: a local root, or a URL on object storage with its fsspec options."""
+
+    root: str
+    storage_options: Optional[Dict[str, Any]] = None
+    timeout: float = TIMEOUT_S
+
+    @property
+    def remote(self) -> bool:
+        return "://" in self.root
+
+    def latest_step(self) -> Optional[int]:
+        from nostall import commit, commit_remote
+
+        return (commit_remote.latest_step(self.root, self.storage_options) if self.remote
+                else commit.latest_step(self.root))
+
+    def committed_steps(self) -> List[int]:
+        from nostall import commit, commit_remote
+
+        return (commit_remote.committed_steps(self.root, self.storage_options) if self.remote
+                else commit.committed_steps(self.root))
+
+    def step_path(self, step: int) -> str:
+        from nostall import commit, commit_remote
+
+        return commit_remote.join(self.root, f"step_{step}") if self.remote else commit.step_dir(self.root, step)
 
 
 # --------------------------------------------------------------------------- the job (child side)
@@ -69,7 +102,7 @@ def expected_full(step: int, world: int) -> Tuple[Any, Any]:
     return w, torch.full((4096,), float(step))
 
 
-def _job_rank(rank: int, world: int, init_file: str, root: str, crash: Optional[str], async_save: bool,
+def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional[str], async_save: bool,
               out_dir: str) -> None:
     code = 0
     try:
@@ -83,8 +116,10 @@ def _job_rank(rank: int, world: int, init_file: str, root: str, crash: Optional[
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S * 3))
-        mgr = nostall.CheckpointManager(root, keep_last=2, async_save=async_save, timeout=TIMEOUT_S)
+                                timeout=datetime.timedelta(seconds=dest.timeout * 3))
+        mgr = nostall.CheckpointManager(dest.root, keep_last=2, async_save=async_save, timeout=dest.timeout,
+                                        storage_options=dest.storage_options,
+                                        local_staging_dir=os.path.join(out_dir, f"local{rank}"))
         with open(os.path.join(out_dir, f"pids{rank}.json"), "w") as f:
             json.dump({"trainer": os.getpid(), "writer": mgr.writer_pid}, f)
         first_writer = mgr.writer_pid
@@ -140,6 +175,7 @@ class Report:
     trials: List[Trial]
     seed: int
     seconds: float
+    timeout: float = TIMEOUT_S
 
     @property
     def failures(self) -> List[Trial]:
@@ -161,7 +197,7 @@ class Report:
             f"crash trials: {len(self.trials)} in {self.seconds:.0f}s (seed {self.seed}; {kinds}); "
             f"a process was killed mid-job in {hits}; "
             f"a new checkpoint committed in {advanced}; checkpoints lost: {lost}; hangs: {hangs}; "
-            f"slowest exit after a kill: {slowest} (manager timeout {TIMEOUT_S:g}s); "
+            f"slowest exit after a kill: {slowest} (manager timeout {self.timeout:g}s); "
             f"trials with problems: {len(self.failures)}"
         )
 
@@ -170,17 +206,19 @@ class Report:
                           indent=1)
 
 
-def _plan(n: int, rng: random.Random) -> List[Tuple[str, str, str, bool, Optional[str]]]:
+def _plan(n: int, rng: random.Random, remote: bool) -> List[Tuple[str, str, str, bool, Optional[str]]]:
     """(mode, target, detail, async_save, crash spec template) for n trials: every crash point once, then random."""
     plans: List[Tuple[str, str, str, bool, Optional[str]]] = []
+    writer_points, commit_points = (REMOTE_WRITER_POINTS, REMOTE_COMMIT_POINTS) if remote else (
+        WRITER_POINTS, COMMIT_POINTS)
     for rank in (0, 1):
         for p in TRAINER_POINTS:
             plans.append(("point", f"trainer {rank}", p, True, f"trainer:{p}"))
-        for p in WRITER_POINTS:
+        for p in writer_points:
             plans.append(("point", f"writer {rank}", p, True, f"writer:{p}"))
-    for p in COMMIT_POINTS:
+    for p in commit_points:
         plans.append(("point", "writer 0", p, True, f"writer:{p}"))
-    for p in ("written",) + COMMIT_POINTS:  # synchronous saves: rank 0's trainer commits
+    for p in ("written",) + commit_points:  # synchronous saves: rank 0's trainer commits
         plans.append(("point", "trainer 0", p, False, f"trainer:{p}"))
     plans = plans[:n]
     targets = ["trainer 0", "trainer 1", "writer 0", "writer 1", "job"]
@@ -216,21 +254,22 @@ def _read_pids(out_dir: str, world: int) -> Dict[int, Dict[str, Optional[int]]]:
     return pids
 
 
-def _check_root(root: str, trial: Trial) -> None:
+def _check_root(dest: Dest, trial: Trial) -> None:
     import torch
 
-    from nostall import commit
     from nostall.loading import check_checkpoint
 
-    latest = commit.latest_step(root)
+    so = dest.storage_options
+    latest = dest.latest_step()
     trial.latest_after = latest
     if trial.latest_before is not None and (latest is None or latest < trial.latest_before):
         trial.problems.append(f"checkpoint lost: latest went from {trial.latest_before} to {latest}")
-    for name in os.listdir(root):
-        if name.startswith("step_") and not os.path.isfile(os.path.join(root, name, "manifest.json")):
-            trial.problems.append(f"{name} is listed without a manifest")
-    for s in commit.committed_steps(root):
-        rep = check_checkpoint(commit.step_dir(root, s))
+    if not dest.remote:  # on object storage a prefix without its manifest is simply not listed
+        for name in os.listdir(dest.root):
+            if name.startswith("step_") and not os.path.isfile(os.path.join(dest.root, name, "manifest.json")):
+                trial.problems.append(f"{name} is listed without a manifest")
+    for s in dest.committed_steps():
+        rep = check_checkpoint(dest.step_path(s), so)
         if rep.problems:
             trial.problems.append(f"step {s} does not verify (checkpoint lost): {rep.problems}")
     if latest is None:
@@ -238,7 +277,7 @@ def _check_root(root: str, trial: Trial) -> None:
     w = torch.zeros(ROWS * 2, COLS)
     b = torch.zeros(4096)
     try:
-        got = nostall.load({"w": w, "b": b, "meta": None}, commit.step_dir(root, latest))
+        got = nostall.load({"w": w, "b": b, "meta": None}, dest.step_path(latest), storage_options=so)
     except nostall.CheckpointError as e:
         trial.problems.append(f"latest step {latest} does not load: {e}")
         return
@@ -247,20 +286,19 @@ def _check_root(root: str, trial: Trial) -> None:
         trial.problems.append(f"latest step {latest} loads the wrong values (checkpoint lost)")
 
 
-def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
-    """Run ``n`` trials on one root (a temp dir unless given); returns the report."""
-    from nostall import commit
-
+def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
+    """Run ``n`` trials on one destination (a local temp dir unless given); returns the report."""
     rng = random.Random(seed)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "nostall.manager", "nostall.loading", __name__])
     t_all = time.monotonic()
     trials: List[Trial] = []
     with tempfile.TemporaryDirectory(prefix="nostall-crash-") as tmp:
-        root = root or os.path.join(tmp, "run")
-        os.makedirs(root, exist_ok=True)
-        for i, (mode, target, detail, async_save, crash) in enumerate(_plan(n, rng)):
-            trial = Trial(i, mode, target, detail, async_save, commit.latest_step(root))
+        dest = dest or Dest(os.path.join(tmp, "run"))
+        if not dest.remote:
+            os.makedirs(dest.root, exist_ok=True)
+        for i, (mode, target, detail, async_save, crash) in enumerate(_plan(n, rng, dest.remote)):
+            trial = Trial(i, mode, target, detail, async_save, dest.latest_step())
             out_dir = os.path.join(tmp, f"trial{i}")
             os.makedirs(out_dir)
             start = trial.latest_before or 0
@@ -274,7 +312,7 @@ def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
                 crash_rank = int(target.split()[1])
             init_file = os.path.join(out_dir, "init")
             procs = [
-                ctx.Process(target=_job_rank, args=(r, 2, init_file, root, crash if r == crash_rank else None,
+                ctx.Process(target=_job_rank, args=(r, 2, init_file, dest, crash if r == crash_rank else None,
                                                     async_save, out_dir))
                 for r in range(2)
             ]
@@ -303,7 +341,7 @@ def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
                 if not trial.hit:
                     trial.detail += " (missed: the job had finished)"
             # every survivor must return or raise within the bound: the library's timeout plus start-up
-            bound = 3 * TIMEOUT_S + 10
+            bound = 3 * dest.timeout + 10
             for p in procs:
                 p.join(max(0.0, bound - (time.monotonic() - t0)))
             trial.exit_s = time.monotonic() - t0
@@ -330,11 +368,11 @@ def run_trials(n: int, seed: int, root: Optional[str] = None) -> Report:
                 if v.get("writer") and _alive(v["writer"]):
                     trial.problems.append(f"writer {v['writer']} of rank {r} outlived its trainer")
                     os.kill(v["writer"], signal.SIGKILL)
-            _check_root(root, trial)
+            _check_root(dest, trial)
             trials.append(trial)
-        # a final clean start removes every leftover
-        nostall.CheckpointManager(root).close()
-        left = [n for n in os.listdir(os.path.join(root, ".tmp")) if n != ".lock"]
-        if left:
-            trials[-1].problems.append(f"leftovers not cleaned by a new manager: {left}")
-    return Report(trials, seed, time.monotonic() - t_all)
+        if not dest.remote:  # a final clean start removes every leftover
+            nostall.CheckpointManager(dest.root).close()
+            left = [n for n in os.listdir(os.path.join(dest.root, ".tmp")) if n != ".lock"]
+            if left:
+                trials[-1].problems.append(f"leftovers not cleaned by a new manager: {left}")
+    return Report(trials, seed, time.monotonic() - t_all, dest.timeout)
