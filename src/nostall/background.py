@@ -188,6 +188,29 @@ class BackgroundWriter:
         self._conn.send(("save", job))
         self.job = job
 
+    def send_chunk(self, index: int, segments: Any) -> None:
+        """Hand the writer the next staged chunk of the job in flight (a chunked job)."""
+        assert self._conn is not None
+        self._conn.send(("chunk", index, segments))
+
+    def abort_chunks(self, why: str) -> None:
+        """Staging failed part-way: the writer fails the job instead of waiting for chunks."""
+        try:
+            if self._conn is not None:
+                self._conn.send(("chunk_abort", why))
+        except OSError:
+            pass
+
+    def wait_chunk_done(self, index: int, deadline: float) -> bool:
+        """Wait until the writer released chunk ``index`` (True), or finished the job early: it failed (False)."""
+        while True:
+            msg = self._recv(deadline, f"writing chunk {index}", skip=("attached",))
+            if msg[0] == "chunk_done" and msg[1] >= index:
+                return True
+            if msg[0] == "result":
+                self._stash.append(msg)
+                return False
+
     def ready(self) -> bool:
         """True when the job in flight has its result waiting (never blocks)."""
         if any(m[0] == "result" for m in self._stash):
@@ -217,7 +240,7 @@ class BackgroundWriter:
         # writer's precise error (a rank missing, a failed upload) arrives before our timeout.
         limit = self.timeout * 1.5 if timeout is None else timeout
         try:
-            reply = self._recv(time.monotonic() + limit, f"writing step {job.step}", skip=("attached",))
+            reply = self._recv(time.monotonic() + limit, f"writing step {job.step}", skip=("attached", "chunk_done"))
         except WriterDied as e:
             self.job = None
             return self._after_writer_death(job, str(e))
@@ -267,7 +290,7 @@ class BackgroundWriter:
             if self.alive() and self._conn is not None:
                 try:
                     self._conn.send(("stop",))
-                    self._recv(time.monotonic() + timeout, "stopping", skip=("attached", "result"))
+                    self._recv(time.monotonic() + timeout, "stopping", skip=("attached", "result", "chunk_done"))
                 except (CheckpointError, OSError, EOFError):
                     pass
             if self.alive():

@@ -22,6 +22,13 @@ class SaveStats:
     the other ranks and the commit) split the work; ``total_s`` runs from the
     call to the commit. ``bytes_written`` is this rank's share,
     ``total_bytes`` the whole checkpoint's data files.
+
+    With overlapped staging (``overlap``), the copy ran after ``save()``
+    returned: ``stage_s`` is its duration, ``staged_wait_s`` how long the
+    caller then waited for it (``wait_until_staged``, the optimizer hook), and
+    ``stall_s`` includes that wait. Under a host-memory budget, ``chunks`` is
+    how many pieces the state went through the area in (0: all at once);
+    ``staging_bytes`` is the staging area's size (the host memory it held).
     """
 
     step: Optional[int]
@@ -38,6 +45,10 @@ class SaveStats:
     bytes_written: int
     total_bytes: int
     plan_cached: bool
+    overlap: bool = False
+    staged_wait_s: float = 0.0
+    chunks: int = 0
+    staging_bytes: int = 0
 
     @property
     def write_throughput(self) -> float:

@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import commit, commit_remote, remote, storage
 from ._comm import Comm, make_comm
@@ -31,6 +31,18 @@ __all__ = ["CheckpointManager"]
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
     """SIGTERM handler: unwind and exit normally, so that atexit drains pending saves."""
     raise SystemExit(128 + signum)
+
+
+def _key_filter(stage_now: Any) -> Optional[Callable[[str], bool]]:
+    """``stage_now`` as a predicate on keys: None, a callable, or key prefixes."""
+    if stage_now is None or callable(stage_now):
+        return stage_now
+    if isinstance(stage_now, str):
+        stage_now = (stage_now,)
+    prefixes = tuple(stage_now)
+    if not all(isinstance(p, str) for p in prefixes):
+        raise TypeError(f"stage_now must be a callable or key prefixes (str), got {stage_now!r}")
+    return lambda key: key.startswith(prefixes)
 
 
 class CheckpointManager:
@@ -67,6 +79,15 @@ class CheckpointManager:
         fallback_sync: object storage: save synchronously (write, upload and
             commit inside ``save()``), as the seed's system did. Off by default:
             async saves upload in the background like local ones.
+        overlap: async saves only: ``save()`` returns after the plan, and the
+            copy into host memory runs in a thread while training goes on.
+            The state must not change until :meth:`wait_until_staged` returns;
+            :meth:`attach` an optimizer and its ``step()`` waits for that
+            itself. See docs/overlap.md for what else must not change.
+        staging_budget_bytes: async saves only: the most host memory the
+            staging area may take. A rank's state larger than this goes
+            through the area in chunks, written as they come: ``save()`` then
+            blocks until all but the last chunks are written.
 
     One manager saves to a root at a time: creating a second (not read-only)
     manager on a root that another live manager holds raises
@@ -96,6 +117,8 @@ class CheckpointManager:
         storage_options: Optional[Dict[str, Any]] = None,
         local_staging_dir: Optional[str] = None,
         fallback_sync: bool = False,
+        overlap: bool = False,
+        staging_budget_bytes: Optional[int] = None,
     ) -> None:
         if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
@@ -105,6 +128,14 @@ class CheckpointManager:
             raise ValueError("errors must be 'raise' or 'log'")
         if block_size <= 0 or block_size % 8:
             raise ValueError("block_size must be a positive multiple of 8")
+        if staging_budget_bytes is not None and (isinstance(staging_budget_bytes, bool) or
+                                                 not isinstance(staging_budget_bytes, int) or
+                                                 staging_budget_bytes < 4 * block_size):
+            raise ValueError(f"staging_budget_bytes must be an int of at least 4 x block_size "
+                             f"({4 * block_size}), got {staging_budget_bytes!r}")
+        self.overlap = bool(overlap)
+        self.staging_budget_bytes = staging_budget_bytes
+        self._hooks: List[Any] = []
         self.remote = remote.is_remote(root)
         self.root = str(root).rstrip("/") if self.remote else os.path.abspath(os.fspath(root))
         self.storage_options = storage_options
@@ -232,11 +263,13 @@ class CheckpointManager:
                 from .staging import layout
 
                 _, size = layout(p.plan.files_of(self.rank))
+                budget = self.staging_budget_bytes
                 self._writer.ensure_alive()
-                self._writer.area.ensure(size)
+                self._writer.area.ensure(min(size, budget or size), cap=budget)
                 self._writer.attach_if_needed()
 
-    def save(self, step: int, state: Any, *, async_save: Optional[bool] = None) -> SaveHandle:
+    def save(self, step: int, state: Any, *, async_save: Optional[bool] = None, overlap: Optional[bool] = None,
+             stage_now: Any = None) -> SaveHandle:
         """Save ``state`` as checkpoint ``step``; a collective call over the group.
 
         Waits first for the previous save of this manager to be committed. A
@@ -247,7 +280,12 @@ class CheckpointManager:
         Raises :class:`~nostall.InvalidStateError` for a bad state and
         :class:`~nostall.CheckpointSaveError` when a rank failed; nothing is
         then committed and the previous checkpoint stays latest. Tensors may be
-        modified as soon as ``save()`` returns.
+        modified as soon as ``save()`` returns, except with ``overlap``
+        (default: the manager's), where they may be modified once
+        :meth:`wait_until_staged` returns. ``stage_now`` (overlap only): keys
+        to copy before ``save()`` returns, because the caller changes them
+        before its next optimizer step (BatchNorm's running statistics, say):
+        a callable ``key -> bool``, or key prefixes (``"model/bn1/"``).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -269,7 +307,10 @@ class CheckpointManager:
                 self._writer = BackgroundWriter(self._comm.rank, self.timeout)
             records = (commit_remote.join(self.root, commit.TMP_DIR, "commit-") if self.remote
                        else os.path.join(self.root, commit.TMP_DIR, "commit-"))
-            pending = self._saver.save_async(state, target, step, records, self._writer, t_call)
+            use_overlap = self.overlap if overlap is None else bool(overlap)
+            pending = self._saver.save_async(state, target, step, records, self._writer, t_call,
+                                             overlap=use_overlap, budget=self.staging_budget_bytes,
+                                             stage_now=_key_filter(stage_now))
             if self.rank == 0 and self._last_records is not None and not self.remote:
                 # every rank finished waiting for the previous save before this one's plan
                 # (on object storage, rank 0's writer sweeps them after its commit: no remote call here)
@@ -296,6 +337,7 @@ class CheckpointManager:
         if self._pending is None:
             return
         pending, handle = self._pending
+        pending.wait_staged(self.timeout if timeout is None else timeout)
         if pending.failed is not None:
             result = pending.failed
         else:
@@ -324,6 +366,8 @@ class CheckpointManager:
             if self._pending is None:
                 return
             pending, _ = self._pending
+            if pending.staging is not None and pending.staging.is_alive():
+                return  # still copying: the writer has not even got the job
             if pending.failed is not None or (self._writer is not None and self._writer.ready()):
                 self._settle(None)
         finally:
@@ -334,6 +378,36 @@ class CheckpointManager:
         with self._lock:
             if self._unraised is error:
                 self._unraised = None
+
+    def wait_until_staged(self, timeout: Optional[float] = None) -> None:
+        """Block until the pending save's copy into host memory is done (overlap); then the state may change.
+
+        Returns at once when nothing is being copied. Thread-safe, and it does
+        not wait for a concurrent ``finalize_pending_saves`` (no lock taken).
+        Raises :class:`~nostall.CheckpointError` after ``timeout`` (default: the
+        manager's). Called by attached optimizers before each ``step()``.
+        """
+        pending = self._pending
+        if pending is not None:
+            pending[0].wait_staged(self.timeout if timeout is None else timeout)
+
+    def attach(self, optimizer: Any) -> Any:
+        """Make ``optimizer.step()`` wait until the pending save's state is copied (overlap).
+
+        Registers a step pre-hook on a ``torch.optim.Optimizer``; several
+        optimizers may be attached. Returns the hook's handle (``.remove()``
+        detaches it); ``close()`` detaches every optimizer.
+        """
+        ref = weakref.ref(self)
+
+        def before_step(opt: Any, args: Any, kwargs: Any) -> None:
+            m = ref()
+            if m is not None:
+                m.wait_until_staged()
+
+        handle = optimizer.register_step_pre_hook(before_step)
+        self._hooks.append(handle)
+        return handle
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait until every save this rank started is committed, or raise its error.
@@ -391,6 +465,9 @@ class CheckpointManager:
             finally:
                 self._closed = True
                 self._pending = None
+                for h in self._hooks:
+                    h.remove()
+                self._hooks.clear()
                 atexit.unregister(self._at_exit)
                 if self._writer is not None:
                     self._writer.close()

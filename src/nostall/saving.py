@@ -11,16 +11,23 @@ Then a synchronous save writes the files in the trainer, exchanges outcomes
 and checksums, and rank 0 commits. An asynchronous save copies the file images
 into the staging area and hands a job to the rank's writer process; the
 commit then happens in the background without any collective (docs/protocol.md).
+
+Two variants of the copy (docs/overlap.md): *overlapped*, where a staging
+thread copies while training goes on and the caller must wait for it
+(``PendingSave.wait_staged``) before mutating the state; and *budgeted*,
+where a state larger than the host-memory budget goes through the area in
+chunks that the writer writes as they come.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -34,7 +41,10 @@ from .format import DEFAULT_BLOCK_SIZE, FileRecord, Manifest, PieceRecord, RankR
 from .handles import SaveStats
 from .model import FlatState, flatten
 from .planning import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
-from .writer import CommitJob, Crcs, JobResult, SaveJob, done_record, outcome_record, write_file_image, write_record
+from .staging import cut_chunks, layout
+from .writer import (
+    CommitJob, Crcs, FileJob, JobResult, SaveJob, done_record, outcome_record, write_file_image, write_record,
+)
 
 log = logging.getLogger("nostall")
 
@@ -81,6 +91,26 @@ class PendingSave:
     stage_s: float
     t_start: float
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
+    staging: Optional[threading.Thread] = None  # overlap: the thread still copying
+    staged_wait_s: float = 0.0  # overlap: how long the caller waited for the copy
+    chunks: int = 0  # budget: chunks the state went through the area in (0: all at once)
+    staging_bytes: int = 0  # size of the staging area used
+    overlap: bool = False  # the copy ran in a thread after save() returned
+
+    def wait_staged(self, timeout: float) -> None:
+        """Block until the copy into host memory is done (overlap); bounded."""
+        t = self.staging
+        if t is None:
+            return
+        t0 = time.perf_counter()
+        t.join(timeout)
+        self.staged_wait_s += time.perf_counter() - t0
+        if t.is_alive():
+            from .errors import CheckpointError
+
+            raise CheckpointError(f"rank {self.job.rank}: staging step {self.job.step} still running after "
+                                  f"{timeout:.0f}s")
+        self.staging = None
 
 
 def _renamed_crcs(crcs: Crcs, target: Target) -> Crcs:
@@ -105,6 +135,7 @@ class Saver:
         self._plan: Optional[SavePlan] = None
         self.test_writer_delay_s = 0.0  # test hook: slows the background writer down
         self.test_writer_fault: Optional[str] = None  # test hook: see SaveJob.test_fault
+        self.test_stage_delay_s = 0.0  # test hook: slows the (overlapped) copy into host memory down
 
     # ------------------------------------------------------------------ collective phases
     def prepare(self, state: Any, target: Target, step: Optional[int], t0: Optional[float] = None) -> Prepared:
@@ -246,10 +277,16 @@ class Saver:
 
     # ------------------------------------------------------------------ asynchronous
     def save_async(self, state: Any, target: Target, step: Optional[int], records_prefix: str,
-                   writer: BackgroundWriter, t_call: Optional[float] = None) -> PendingSave:
+                   writer: BackgroundWriter, t_call: Optional[float] = None, *, overlap: bool = False,
+                   budget: Optional[int] = None, stage_now: Optional[Callable[[str], bool]] = None,
+                   ) -> PendingSave:
         """Stage this rank's data and hand it to the writer (collective up to the plan).
 
         The per-save records (done and outcome) go to ``records_prefix + save_id``.
+        ``overlap``: the copy runs in a thread after this returns, except the
+        keys ``stage_now`` selects; wait with :meth:`PendingSave.wait_staged`
+        before changing the state. ``budget``: the staging area's size limit in
+        bytes; a rank's state larger than that goes through it in chunks.
         """
         comm = self.comm
         t_start = time.perf_counter()
@@ -267,13 +304,18 @@ class Saver:
             test_fault=self.test_writer_fault,
             upload=target if _uploads(target) else None, storage_options=getattr(target, "storage_options", None),
         )
+        chunked = budget is not None and layout(files)[1] > budget
+        if chunked and stage_now is not None:
+            overlap = False  # the selected keys cannot be copied ahead of the chunks: copy all of it now
         t_stage = time.perf_counter()
-        failed: Optional[JobResult] = None
-        try:
-            job.files = writer.area.stage(files, lambda item: source_tensor(p.flat, item))
-            crash_point("staged", step)
-            writer.submit(job)
-        except BaseException as e:
+        pending = PendingSave(p, job, stall_s=0.0, wait_s=t_start - p.t0, stage_s=0.0, t_start=t_start)
+
+        delay = self.test_stage_delay_s
+
+        def source(item: WriteItem) -> torch.Tensor:
+            return source_tensor(p.flat, item)
+
+        def fail(e: BaseException) -> None:
             # Nothing reaches the writer: record the failure so that no rank waits
             # for us; it is reported like any other failure of this save, by the
             # next save() / finalize_pending_saves() on every rank.
@@ -287,12 +329,80 @@ class Saver:
                     write_record(outcome_record(records), {"ok": False, "error": msg}, so)
             except OSError as e2:
                 log.error("rank %d: could not record the failure: %s", comm.rank, e2)
+            pending.failed = JobResult(p.save_id, False, msg)
+
+        def finish_whole(rest: Callable[[], None]) -> None:
+            try:
+                time.sleep(delay)
+                rest()
+                crash_point("staged", step)
+                writer.submit(job)
+            except BaseException as e:
+                fail(e)
+                if not isinstance(e, Exception):
+                    raise  # SystemExit, KeyboardInterrupt: recorded, now let it through
+            finally:
+                pending.stage_s = time.perf_counter() - t_stage
+
+        def run_chunks() -> None:
+            submitted = False
+            try:
+                area = writer.area
+                area.ensure(budget, cap=budget)
+                capacity = (area.size // 2) // 64 * 64
+                chunks = cut_chunks(files, capacity, self.block_size)
+                pending.chunks, pending.staging_bytes = len(chunks), area.size
+                job.files = tuple(FileJob(f.name, 0, f.size, len(f.header), tuple((i.start, i.end) for i in f.items))
+                                  for f in files)
+                job.chunked = True
+                writer.submit(job)
+                submitted = True
+                deadline = time.monotonic() + self.timeout
+                for k, cuts in enumerate(chunks):
+                    time.sleep(delay)
+                    if k >= 2 and not writer.wait_chunk_done(k - 2, deadline):
+                        return  # the writer failed the job; its result tells why
+                    writer.send_chunk(k, area.stage_chunk(cuts, k % 2, files, source))
+                crash_point("staged", step)
+            except BaseException as e:
+                if submitted:  # the writer fails the job and reports, as for a failed write
+                    log.error("rank %d: staging step %s failed: %s", comm.rank, step, describe(e))
+                    writer.abort_chunks(f"rank {comm.rank}: {describe(e)}")
+                else:
+                    fail(e)
+                if not isinstance(e, Exception):
+                    raise
+            finally:
+                pending.stage_s = time.perf_counter() - t_stage
+
+        try:
+            writer.area.record_fences([source(i) for f in files for i in f.items])
+            if chunked:
+                work: Callable[[], None] = run_chunks
+            else:
+                now: Optional[Callable[[WriteItem], bool]] = None  # everything before returning
+                if overlap:
+                    now = (lambda item: stage_now(item.key)) if stage_now is not None else (lambda item: False)
+                jobs, rest = writer.area.stage(files, source, now, cap=budget)
+                job.files = jobs
+                pending.staging_bytes = writer.area.size
+                work = lambda: finish_whole(rest)  # noqa: E731
+        except BaseException as e:
+            fail(e)
             if not isinstance(e, Exception):
-                raise  # SystemExit, KeyboardInterrupt: recorded, now let it through
-            failed = JobResult(p.save_id, False, msg)
-        t_end = time.perf_counter()
-        return PendingSave(p, job, stall_s=t_end - p.t0, wait_s=t_start - p.t0, stage_s=t_end - t_stage,
-                           t_start=t_start, failed=failed)
+                raise
+            work = None  # type: ignore[assignment]
+        pending.overlap = overlap and work is not None
+        if work is not None:
+            if overlap:
+                pending.staging = threading.Thread(target=work, name=f"nostall-staging-{comm.rank}", daemon=True)
+                pending.staging.start()
+            else:
+                work()
+        pending.stall_s = time.perf_counter() - p.t0
+        if not overlap:
+            pending.stage_s = time.perf_counter() - t_stage
+        return pending
 
     def complete(self, pending: PendingSave, result: JobResult, final: str) -> SaveStats:
         """Stats of a finished asynchronous save, or its error."""
@@ -302,11 +412,13 @@ class Saver:
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
-            stall_s=pending.stall_s, wait_s=pending.wait_s, plan_s=p.t_plan - pending.t_start,
-            stage_s=pending.stage_s,
+            stall_s=pending.stall_s + pending.staged_wait_s, wait_s=pending.wait_s,
+            plan_s=p.t_plan - pending.t_start, stage_s=pending.stage_s,
             write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
             bytes_written=result.bytes_written,
             total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            overlap=pending.overlap, staged_wait_s=pending.staged_wait_s,
+            chunks=pending.chunks, staging_bytes=pending.staging_bytes,
         )
         _log_stats(stats, final)
         return stats

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from . import remote, storage
 from ._faults import crash_point
@@ -67,6 +67,59 @@ class FileJob:
 
 
 @dataclass
+class Segment:
+    """Bytes [start, end) of file ``file`` (an index into the job's files), at ``area_offset`` in the area."""
+
+    file: int
+    start: int
+    end: int
+    area_offset: int
+
+
+# The next chunk of a chunked job (its segments), after releasing the previous one; None: no more.
+ChunkFeed = Callable[[], Optional[List[Segment]]]
+
+
+def write_chunked(job: "SaveJob", area: memoryview, feed: ChunkFeed) -> Crcs:
+    """Write the job's files from segments that arrive chunk by chunk (a host-memory budget).
+
+    Segments come in file order. A chunk is released (its half of the area
+    reused by the trainer) once every segment of it is written.
+    """
+    crcs: Dict[Tuple[str, int, int], List[int]] = {}
+
+    def segments() -> Iterator[Segment]:
+        while True:
+            chunk = feed()
+            if chunk is None:
+                return
+            yield from chunk
+
+    source = segments()
+    for fi, f in enumerate(job.files):
+        path = os.path.join(job.staging, f.name)
+
+        def parts(fi: int = fi, f: FileJob = f) -> Iterator[memoryview]:
+            pos, pi = 0, 0
+            while pos < f.size:
+                seg = next(source, None)
+                if seg is None or seg.file != fi or seg.start != pos:
+                    raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
+                buf = area[seg.area_offset : seg.area_offset + seg.end - seg.start]
+                if seg.start >= f.header_size:
+                    while f.pieces[pi][1] <= seg.start:
+                        pi += 1
+                    crcs.setdefault((f.name, *f.pieces[pi]), []).extend(block_crcs(buf, job.block_size))
+                yield buf
+                pos = seg.end
+
+        n = storage.write_file(path, parts())
+        if n != f.size:
+            raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {f.size}")
+    return {k: tuple(v) for k, v in crcs.items()}
+
+
+@dataclass
 class CommitJob:
     """What rank 0's writer needs to commit: the manifest without checksums, and the target."""
 
@@ -91,6 +144,7 @@ class SaveJob:
     test_fault: Optional[str] = None  # test hook: "enospc" fails the write like a full disk
     upload: Any = None  # object storage: the RemoteStepTarget that uploads this rank's staged files
     storage_options: Optional[Dict[str, Any]] = None  # fsspec options for remote records
+    chunked: bool = False  # the files' bytes come chunk by chunk after the job (see write_chunked)
 
 
 @dataclass
@@ -175,8 +229,11 @@ def poll_until(deadline: float, what: str, check: Any, max_delay: float = 0.1) -
         delay = min(delay * 2, max_delay)
 
 
-def run_job(job: SaveJob, area: memoryview) -> JobResult:
-    """Write this rank's files from the staging area, then take part in the commit."""
+def run_job(job: SaveJob, area: memoryview, feed: Optional[ChunkFeed] = None) -> JobResult:
+    """Write this rank's files from the staging area, then take part in the commit.
+
+    A chunked job's bytes come through ``feed``.
+    """
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
     res = JobResult(job.save_id, ok=False)
@@ -191,7 +248,11 @@ def run_job(job: SaveJob, area: memoryview) -> JobResult:
         else:
             check_staging(job.staging)
         crash_point("write.start", job.step)
-        for f in job.files:
+        if job.chunked:
+            assert feed is not None
+            crcs.update(write_chunked(job, area, feed))
+            res.bytes_written = sum(f.size for f in job.files)
+        for f in job.files if not job.chunked else ():
             header = bytes(area[f.area_offset : f.area_offset + f.header_size])
             parts = [(s, area[f.area_offset + s : f.area_offset + e]) for s, e in f.pieces]
             crcs.update(
@@ -353,6 +414,26 @@ def _exit_with_trainer(trainer_pid: int) -> None:
     threading.Thread(target=watch, name="nostall-trainer-watch", daemon=True).start()
 
 
+def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
+    """Chunks of the job in progress, from the trainer: ("chunk", k, segments) or ("chunk_abort", why)."""
+    last = [-1]
+
+    def feed() -> Optional[List[Segment]]:
+        if last[0] >= 0:
+            conn.send(("chunk_done", last[0]))  # its half of the area may be reused
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no staged chunk from the trainer after chunk {last[0]}")
+        msg = conn.recv()
+        if msg[0] == "chunk_abort":
+            raise RuntimeError(f"the trainer stopped staging: {msg[1]}")
+        if msg[0] != "chunk":
+            raise RuntimeError(f"expected a staged chunk from the trainer, got {msg[0]!r}")
+        last[0] = msg[1]
+        return msg[2]
+
+    return feed
+
+
 def main(fd: int, trainer_pid: int = 0) -> int:
     """The writer process: serve jobs from the trainer over the socket ``fd``.
 
@@ -400,7 +481,8 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                     if view is None:
                         result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
                     else:
-                        result = run_job(job, view)
+                        feed = _chunk_feed(conn, time.monotonic() + job.timeout) if job.chunked else None
+                        result = run_job(job, view, feed)
                     conn.send(("result", result))
                 elif op == "ping":
                     conn.send(("pong", os.getpid()))
