@@ -7,6 +7,7 @@ telling save failures, load failures and corruption apart.
 
 from __future__ import annotations
 
+import os
 import traceback
 
 __all__ = [
@@ -52,4 +53,6 @@ def describe(e: BaseException) -> str:
         return str(e)
     if isinstance(e, (OSError, TimeoutError)):
         return f"{type(e).__name__}: {e}"
-    return f"{type(e).__name__}: {e} ({traceback.format_exc(limit=3).strip().splitlines()[-1]})"
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    return f"{type(e).__name__}: {e}{where}"

@@ -22,6 +22,7 @@ chunks that the writer writes as they come.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -304,6 +305,8 @@ class Saver:
             test_fault=self.test_writer_fault,
             upload=target if _uploads(target) else None, storage_options=getattr(target, "storage_options", None),
         )
+        if budget is not None:
+            budget -= budget % mmap.PAGESIZE  # the area is mapped (and resident) in whole pages
         chunked = budget is not None and layout(files)[1] > budget
         if chunked and stage_now is not None:
             overlap = False  # the selected keys cannot be copied ahead of the chunks: copy all of it now
@@ -349,8 +352,7 @@ class Saver:
             try:
                 area = writer.area
                 area.ensure(budget, cap=budget)
-                capacity = (area.size // 2) // 64 * 64
-                chunks = cut_chunks(files, capacity, self.block_size)
+                chunks = cut_chunks(files, area.half_size, self.block_size)
                 pending.chunks, pending.staging_bytes = len(chunks), area.size
                 job.files = tuple(FileJob(f.name, 0, f.size, len(f.header), tuple((i.start, i.end) for i in f.items))
                                   for f in files)
@@ -408,7 +410,9 @@ class Saver:
         """Stats of a finished asynchronous save, or its error."""
         p = pending.prepared
         if not result.ok:
-            raise CheckpointSaveError(f"save of step {p.step} failed: {result.error}")
+            prefix = f"save of step {p.step} failed"
+            error = result.error or "unknown error"
+            raise CheckpointSaveError(error if error.startswith(prefix) else f"{prefix}: {error}")
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,

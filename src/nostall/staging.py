@@ -176,6 +176,11 @@ class StagingArea:
         return True
 
     @property
+    def half_size(self) -> int:
+        """Bytes of each half of the area (64-byte aligned), when it is used chunk by chunk."""
+        return (self.size // 2) // 64 * 64
+
+    @property
     def tensor(self) -> torch.Tensor:
         assert self._tensor is not None
         return self._tensor
@@ -224,7 +229,7 @@ class StagingArea:
     def stage_chunk(self, cuts: Sequence[_Cut], half: int, files: Sequence[FilePlan],
                     source: Callable[[WriteItem], torch.Tensor]) -> List[Segment]:
         """Copy one chunk into half ``half`` of the area; returns its segments (area offsets absolute)."""
-        base = half * (self.size // 2)
+        base = half * self.half_size
         area = self.tensor
         copier = _Copier(self)
         segs = []

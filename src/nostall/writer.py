@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from . import remote, storage
 from ._faults import crash_point
 from .commit import check_staging
-from .errors import describe
+from .errors import CheckpointSaveError, describe
 from .format import Manifest, block_crcs
 
 log = logging.getLogger("nostall")
@@ -116,6 +116,8 @@ def write_chunked(job: "SaveJob", area: memoryview, feed: ChunkFeed) -> Crcs:
         n = storage.write_file(path, parts())
         if n != f.size:
             raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {f.size}")
+        for start, end in f.pieces:
+            crcs.setdefault((f.name, start, end), [])  # empty pieces have no segment
     return {k: tuple(v) for k, v in crcs.items()}
 
 
@@ -425,7 +427,7 @@ def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
             raise TimeoutError(f"no staged chunk from the trainer after chunk {last[0]}")
         msg = conn.recv()
         if msg[0] == "chunk_abort":
-            raise RuntimeError(f"the trainer stopped staging: {msg[1]}")
+            raise CheckpointSaveError(f"the trainer stopped staging: {msg[1]}")
         if msg[0] != "chunk":
             raise RuntimeError(f"expected a staged chunk from the trainer, got {msg[0]!r}")
         last[0] = msg[1]
