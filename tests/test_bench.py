@@ -19,10 +19,24 @@ def test_bench_smoke(tmp_path):
         assert r["first_save"]["commit_s"] >= r["first_save"]["stall_s"] >= 0
         assert r["commit_s"][0] >= r["stall_s"][0]
     assert set(out["loads"]) == {"nostall", "dcp", "read_floor"}
-    assert {"baseline_step_s", "nostall_async", "dcp_async_thread", "dcp_async_process"} <= set(out["training"])
+    assert {"baseline_step_s", "nostall_async", "nostall_overlap", "dcp_async_thread",
+            "dcp_async_process"} <= set(out["training"])
+    during, before = out["systems"]["nostall_overlap"]["compute_ms"][0]
+    assert during > 0 and before > 0
     json.dumps(out)  # JSON-able
     table = bench.format_table(out)
-    assert "nostall_async" in table and "dcp_sync" in table
+    assert "nostall_async" in table and "dcp_sync" in table and "nostall_overlap stall / nostall_async" in table
     png = tmp_path / "p.png"
     bench.plot(out, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_remote_destination(tmp_path, s3):
+    """--remote adds nostall_async_remote (an s3:// save on the loopback server) and removes its prefix after."""
+    bucket = s3.make_bucket("bench")
+    out = bench.run_bench(ranks=2, mb=2, reps=1, systems=["nostall_async"], root=str(tmp_path / "run"), loads=False,
+                          train=False, remote=f"s3://{bucket}/b", storage_options=s3.storage_options)
+    r = out["systems"][bench.REMOTE]
+    assert len(r["stall_s"]) == 1 and r["commit_s"][0] >= r["stall_s"][0] > 0
+    assert f"{bench.REMOTE} stall / nostall_async stall" in bench.format_table(out)
+    assert s3.filesystem().ls(bucket, refresh=True) == []  # the bench's prefix is gone

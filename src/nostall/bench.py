@@ -6,6 +6,15 @@ tensors, and an optimizer-like pair of moments per parameter), and times, in
 interleaved repetitions on that same state:
 
 * ``nostall_sync``, ``nostall_async`` -- ``CheckpointManager.save``;
+* ``nostall_overlap`` -- an async save with overlapped staging: ``save()``
+  returns after the plan and the copy runs while the next forward/backward
+  (``--compute-ms`` of the small model) runs; the optimizer step then waits
+  for what is left of the copy. Its stall is the return time plus that wait;
+  ``compute_ms`` holds, per save, the forward/backward time meanwhile and
+  just before (the copy's cost to training);
+* ``nostall_async_remote`` (with ``--remote URL``) -- the async save to
+  object storage (``--storage-options`` JSON for fsspec): compare its stall
+  with ``nostall_async``'s;
 * ``dcp_sync`` (``dcp.save``), ``dcp_async_thread`` (``dcp.async_save``),
   ``dcp_async_process`` (process executor with DCP's shared-memory
   ``DefaultStager``: its best CPU configuration);
@@ -38,9 +47,11 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-SYSTEMS = ("nostall_sync", "nostall_async", "dcp_sync", "dcp_async_thread", "dcp_async_process", "torch_save")
+SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "dcp_sync", "dcp_async_thread", "dcp_async_process",
+           "torch_save")
+REMOTE = "nostall_async_remote"  # only with --remote
 LIMITS = ("copy", "write")
-ASYNC = ("nostall_async", "dcp_async_thread", "dcp_async_process")
+ASYNC = ("nostall_async", "nostall_overlap", REMOTE, "dcp_async_thread", "dcp_async_process")
 
 
 # --------------------------------------------------------------------------- helpers (in the ranks)
@@ -177,11 +188,23 @@ class _TrainLoop:
 
     def step(self) -> float:
         t0 = time.perf_counter()
+        self.forward_backward()
+        self.opt.step()
+        return time.perf_counter() - t0
+
+    def forward_backward(self) -> float:
+        t0 = time.perf_counter()
         loss = self.model(self.x).pow(2).mean()
         self.opt.zero_grad()
         loss.backward()
-        self.opt.step()
         return time.perf_counter() - t0
+
+    def compute(self, seconds: float) -> List[float]:
+        """Forward/backward passes for about ``seconds`` (one at least); the time of each."""
+        times = [self.forward_backward()]
+        while sum(times) < seconds:
+            times.append(self.forward_backward())
+        return times
 
 
 # --------------------------------------------------------------------------- one rank
@@ -227,6 +250,18 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     mgr_sync = nostall.CheckpointManager(os.path.join(root, "nostall_sync")) if "nostall_sync" in systems else None
     mgr_async = (nostall.CheckpointManager(os.path.join(root, "nostall_async"), async_save=True)
                  if "nostall_async" in systems else None)
+    loop = _TrainLoop()
+    mgr_overlap = None
+    if "nostall_overlap" in systems:
+        mgr_overlap = nostall.CheckpointManager(os.path.join(root, "nostall_overlap"), async_save=True, overlap=True)
+        mgr_overlap.attach(loop.opt)  # its step() waits for the copy, as a trainer's would
+        res["nostall_overlap"]["compute_ms"] = []  # [forward/backward meanwhile, just before], per save
+    mgr_remote = None
+    if REMOTE in systems:
+        url = f"{cfg['remote'].rstrip('/')}/{cfg['run_id']}"
+        mgr_remote = nostall.CheckpointManager(url, async_save=True, keep_last=1, storage_options=cfg["storage_options"],
+                                               local_staging_dir=os.path.join(root, "remote-staging"))
+    compute_s = cfg.get("compute_ms", 200) / 1e3
     dcp_proc_stager = None
     if "dcp_async_process" in systems:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -262,14 +297,28 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             mgr_sync.save(rep, state)
             x = time.perf_counter() - t0
             return x, x
-        if system == "nostall_async":
-            mgr_async.finalize_pending_saves()
+        if system in ("nostall_async", REMOTE):
+            mgr = mgr_async if system == "nostall_async" else mgr_remote
+            mgr.finalize_pending_saves()
             dist.barrier()
             t0 = time.perf_counter()
-            h = mgr_async.save(rep, state)
+            h = mgr.save(rep, state)
             stall = time.perf_counter() - t0
             h.result()
             return stall, time.perf_counter() - t0
+        if system == "nostall_overlap":
+            mgr_overlap.finalize_pending_saves()
+            base_fb = statistics.median(loop.compute(compute_s))  # forward/backward alone, just before
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = mgr_overlap.save(rep, state)
+            returned = time.perf_counter() - t0
+            fb = loop.compute(compute_s)  # the next forward/backward, while the copy runs
+            loop.opt.step()  # waits for what is left of the copy
+            st = h.result()
+            if rep:  # the first save is reported apart
+                res[system]["compute_ms"].append([statistics.median(fb) * 1e3, base_fb * 1e3])
+            return returned + st.staged_wait_s, time.perf_counter() - t0
         if system == "dcp_sync":
             t0 = time.perf_counter()
             dcp.save(state, checkpoint_id=d)
@@ -311,8 +360,9 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
         raise ValueError(system)
 
     def helper_rss(system: str) -> float:
-        if system == "nostall_async" and mgr_async is not None and mgr_async.writer_pid:
-            return _rss_mb(mgr_async.writer_pid)
+        mgr = {"nostall_async": mgr_async, "nostall_overlap": mgr_overlap, REMOTE: mgr_remote}.get(system)
+        if mgr is not None and mgr.writer_pid:
+            return _rss_mb(mgr.writer_pid)
         return sum(_rss_mb(p) for p in _children()) if system == "dcp_async_process" else 0.0
 
     order = list(LIMITS) + list(systems)
@@ -370,7 +420,6 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     # ---- training-side cost of a background save
     training: Dict[str, Any] = {}
     if cfg["train"]:
-        loop = _TrainLoop()
         for _ in range(5):
             loop.step()
         baselines = []
@@ -380,9 +429,10 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             baselines.append(base)
             dist.barrier()
             d = os.path.join(root, system, "train")
-            if system == "nostall_async":
-                mgr_async.finalize_pending_saves()
-                h = mgr_async.save(10_000, state)
+            if system in ("nostall_async", "nostall_overlap", REMOTE):
+                mgr = {"nostall_async": mgr_async, "nostall_overlap": mgr_overlap, REMOTE: mgr_remote}[system]
+                mgr.finalize_pending_saves()
+                h = mgr.save(10_000, state)
                 done: Callable[[], bool] = h.done
             elif system == "dcp_async_thread":
                 f = dcp.async_save(state, checkpoint_id=d)
@@ -402,10 +452,11 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             training[system] = {"step_s": statistics.median(steps), "steps": len(steps), "baseline_step_s": base,
                                 "slowdown": statistics.median(steps) / base}
         training["baseline_step_s"] = statistics.median(baselines) if baselines else float("nan")
-        if mgr_async is not None:
-            mgr_async.finalize_pending_saves()
+        for m in (mgr_async, mgr_overlap, mgr_remote):
+            if m is not None:
+                m.finalize_pending_saves()
 
-    for m in (mgr_sync, mgr_async):
+    for m in (mgr_sync, mgr_async, mgr_overlap, mgr_remote):
         if m is not None:
             m.close()
     if dcp_proc_stager is not None:
@@ -426,14 +477,25 @@ def _free_port() -> int:
 
 
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
-              train: bool = True, timeout: float = 1800.0) -> Dict[str, Any]:
-    """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
+              train: bool = True, timeout: float = 1800.0, remote: Optional[str] = None,
+              storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0) -> Dict[str, Any]:
+    """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md).
+
+    ``remote``: a URL under which ``nostall_async_remote`` saves (in a fresh
+    ``bench-<id>`` prefix, removed afterwards).
+    """
     import torch
     import torch.multiprocessing as mp
 
     own = root is None
     root = root or tempfile.mkdtemp(prefix="nostall-bench-")
-    cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train}
+    if remote is None and REMOTE in systems:
+        raise ValueError(f"{REMOTE} needs a remote URL")
+    if remote is not None and REMOTE not in systems:
+        systems = list(systems) + [REMOTE]
+    run_id = f"bench-{os.getpid()}-{int(time.time())}"
+    cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train, "remote": remote,
+           "storage_options": storage_options, "run_id": run_id, "compute_ms": compute_ms}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
@@ -463,6 +525,8 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
             p.join(5)
         if own:
             shutil.rmtree(root, ignore_errors=True)
+        if remote is not None:
+            _remove_remote(f"{remote.rstrip('/')}/{run_id}", storage_options)
     r0 = per_rank[0]
     return {
         "config": {"ranks": ranks, "mb_per_rank": mb, "bytes_per_rank": r0["bytes"], "reps": reps,
@@ -498,6 +562,14 @@ def format_table(out: Dict[str, Any]) -> str:
         )
     lines.append("")
     ns = s.get("nostall_async")
+    if ns and "nostall_overlap" in s:
+        ov = s["nostall_overlap"]
+        during, before = _med([c[0] for c in ov["compute_ms"]]), _med([c[1] for c in ov["compute_ms"]])
+        lines.append(f"  nostall_overlap stall / nostall_async stall = {_med(ov['stall_s']) / _med(ns['stall_s']):.3f}"
+                     f" (forward/backward while it copies: {during:.2f} ms, x{during / before:.2f} of {before:.2f} ms"
+                     " just before)")
+    if ns and REMOTE in s:
+        lines.append(f"  {REMOTE} stall / nostall_async stall = {_med(s[REMOTE]['stall_s']) / _med(ns['stall_s']):.3f}")
     if ns:
         ref = _med(ns["stall_s"])
         for other in ("nostall_sync", "dcp_sync", "dcp_async_thread", "dcp_async_process", "torch_save", "copy"):
@@ -551,6 +623,16 @@ def plot(out: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _remove_remote(url: str, storage_options: Optional[Dict[str, Any]]) -> None:
+    from . import remote
+
+    try:
+        fs, key = remote.filesystem(url, storage_options)
+        fs.rm(key, recursive=True)
+    except Exception as e:  # the figures are what matters; say what is left behind
+        print(f"could not remove {url}: {e}", file=sys.stderr)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="nostall bench", description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -562,13 +644,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot", default=None, help="draw stall and time-to-durable per system (PNG)")
     ap.add_argument("--no-load", action="store_true", help="skip the load measurements")
     ap.add_argument("--no-train", action="store_true", help="skip the training-interference measurement")
+    ap.add_argument("--compute-ms", type=float, default=200.0,
+                    help="nostall_overlap: forward/backward time between save() and the optimizer step")
+    ap.add_argument("--remote", default=None, help="also save to this object-storage URL (nostall_async_remote)")
+    ap.add_argument("--storage-options", default=None, help="fsspec options for --remote, as JSON")
     args = ap.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
+    so = json.loads(args.storage_options) if args.storage_options else None
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
-                    train=not args.no_train)
+                    train=not args.no_train, remote=args.remote, storage_options=so, compute_ms=args.compute_ms)
     print(format_table(out))
     if args.json:
         with open(args.json, "w") as f:
