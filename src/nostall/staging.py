@@ -223,7 +223,7 @@ class StagingArea:
         for pos, item in todo:
             n = item.end - item.start
             if n:
-                copier.copy(source(item), item.key, 0, n, area[pos : pos + n])
+                copier.copy(source(item), item.key, 0, n, n, area[pos : pos + n])
         copier.finish()
 
     def stage_chunk(self, cuts: Sequence[_Cut], half: int, files: Sequence[FilePlan],
@@ -239,7 +239,8 @@ class StagingArea:
             if c.item is None:
                 dst.copy_(torch.frombuffer(bytearray(files[s.file].header), dtype=torch.uint8))
             else:
-                copier.copy(source(c.item), c.item.key, c.item_offset, c.item_offset + (s.end - s.start), dst)
+                copier.copy(source(c.item), c.item.key, c.item_offset, c.item_offset + (s.end - s.start),
+                            c.item.end - c.item.start, dst)
             segs.append(Segment(s.file, s.start, s.end, base + s.area_offset))
         copier.finish()
         return segs
@@ -272,14 +273,15 @@ class _Copier:
         self.area = area
         self.streams: dict = {}  # device -> side stream
 
-    def copy(self, src: torch.Tensor, key: str, first: int, last: int, dst: torch.Tensor) -> None:
-        """Bytes [first, last) of ``src``'s row-major image into ``dst`` (uint8)."""
+    def copy(self, src: torch.Tensor, key: str, first: int, last: int, total: int, dst: torch.Tensor) -> None:
+        """Bytes [first, last) of ``src``'s row-major image (``total`` bytes planned) into ``dst`` (uint8)."""
         src = src.detach()
         if src.device.type not in ("cpu", "cuda"):
             src = src.to("cpu")
         size = src.element_size()
-        if src.numel() * size < last or first % size or last % size:
-            raise RuntimeError(f"key {key!r}: {src.numel() * size} bytes, the plan expects bytes [{first}, {last})")
+        if src.numel() * size != total or first % size or last % size:
+            raise RuntimeError(f"key {key!r}: {src.numel() * size} bytes, the plan expects {total} "
+                               f"(copying bytes [{first}, {last}))")
         out = dst.view(src.dtype) if src.dtype != torch.bool else dst.view(torch.bool)
         if src.device.type == "cuda":
             stream = self.streams.get(src.device)
