@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -41,7 +42,7 @@ from ..errors import CheckpointError, CheckpointLoadError, CheckpointNotFoundErr
 from ..format import MANIFEST_NAME
 from ..handles import SaveHandle
 from ..manager import CheckpointManager
-from ..model import PerRank, ShardedTensor, is_dtensor
+from ..model import PerRank, ShardedTensor, escape_component, is_dtensor
 
 log = logging.getLogger("nostall")
 
@@ -305,6 +306,11 @@ class Strategy:
     Args:
         layout: this rank's TP/DP coordinates.
         async_save: default mode of ``save_checkpoint`` (off by default).
+        overlap: async saves copy the state into host memory while training
+            goes on (docs/overlap.md). The optimizer passed to
+            ``save_checkpoint`` is attached (its ``step()`` waits for the
+            copy), and the model's buffers (BatchNorm statistics, which the
+            next forward changes) are copied before ``save_checkpoint`` returns.
         keep_last: retention per ``ckpt_dir`` (None: keep all).
         process_group: ranks that checkpoint together (default: all).
         timeout: bound, in seconds, of every wait.
@@ -320,6 +326,7 @@ class Strategy:
         layout: ParallelLayout = ParallelLayout(),
         *,
         async_save: bool = False,
+        overlap: bool = False,
         keep_last: Optional[int] = None,
         process_group: Any = None,
         timeout: float = 600.0,
@@ -327,6 +334,8 @@ class Strategy:
     ) -> None:
         self.layout = layout
         self.async_save = async_save
+        self.overlap = overlap
+        self._attached: Dict[str, "weakref.WeakSet"] = {}  # per ckpt_dir: the optimizers attached
         self.keep_last = keep_last
         self.process_group = process_group
         self.timeout = timeout
@@ -364,6 +373,7 @@ class Strategy:
                 keep_last=self.keep_last,
                 process_group=self.process_group,
                 async_save=self.async_save,
+                overlap=self.overlap,
                 timeout=self.timeout,
                 errors=self.errors,
             )
@@ -392,7 +402,15 @@ class Strategy:
         """
         state = self.build_state(model, optimizer, scheduler, extra)
         state["step"] = step
-        return self.manager(ckpt_dir).save(step, state, async_save=async_save)
+        mgr = self.manager(ckpt_dir)
+        if not self.overlap:
+            return mgr.save(step, state, async_save=async_save)
+        attached = self._attached.setdefault(mgr.root, weakref.WeakSet())
+        if optimizer is not None and optimizer not in attached:
+            mgr.attach(optimizer)
+            attached.add(optimizer)
+        buffers = {f"model/{escape_component(n)}" for n, _ in model.named_buffers()}
+        return mgr.save(step, state, async_save=async_save, stage_now=buffers.__contains__)
 
     def prepare_checkpoint(
         self,
@@ -506,6 +524,7 @@ class Strategy:
             except CheckpointError as e:
                 first = first or e
         self._managers.clear()
+        self._attached.clear()
         if first is not None:
             raise first
 

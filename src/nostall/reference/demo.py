@@ -86,6 +86,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--plot", default=None, metavar="PNG", help="draw the losses and stalls into this file")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--overlap", action="store_true",
+                   help="overlapped staging: the copy runs during the next forward/backward")
     a = p.parse_args(argv)
     if not 0 < a.interval <= a.stop < a.steps or a.stop % a.interval == 0:
         p.error("need 0 < --interval <= --stop < --steps, --stop not a multiple of --interval "
@@ -98,7 +100,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     common = ["--loop", a.loop, "--steps", str(a.steps), "--ckpt-dir", os.path.join(root, "ckpts"),
               "--ckpt-interval", str(a.interval), "--async-save", "--keep-last", "2", "--tp", "2",
               "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
-              "--seq-len", str(a.seq_len)]
+              "--seq-len", str(a.seq_len)] + (["--overlap"] if a.overlap else [])
+    mode = "overlap" if a.overlap else "async"
     print(f"== run 1: train to step {a.stop}, saving every {a.interval} steps in the background, then stop")
     _torchrun(2, common + ["--stop-after", str(a.stop), "--measure-sync-save", "--history", h1], a.timeout)
     print("== run 2: new processes, fresh weights, resume from the latest checkpoint")
@@ -120,12 +123,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\n== what each save cost rank 0 (training blocked):")
     for run, h in (("run 1", first), ("run 2", second)):
         for rec in h["saves"]:
-            print(f"   {run} step {rec['step']:3d}  async  {rec['stall_s'] * 1e3:8.1f} ms")
+            print(f"   {run} step {rec['step']:3d}  {mode}  {rec['stall_s'] * 1e3:8.1f} ms")
     async_stalls = sorted(r["stall_s"] for r in first["saves"] + second["saves"])
     sync = first["sync_save_stall_s"]
     median = async_stalls[len(async_stalls) // 2]
     print(f"   a synchronous save of the same state: {sync * 1e3:8.1f} ms "
-          f"(async median {median * 1e3:.1f} ms, {sync / median:.1f}x less)")
+          f"({mode} median {median * 1e3:.1f} ms, {sync / median:.1f}x less)")
     if a.plot:
         plot(first, second, a.stop, a.plot)
         print(f"   plot: {a.plot}")

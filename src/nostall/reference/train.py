@@ -32,6 +32,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ckpt-interval", type=int, default=10, help="save every N steps (0: never)")
     p.add_argument("--save-at", type=int, nargs="*", default=[], help="extra steps to save at")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument("--overlap", action="store_true", help="async saves: copy while the next forward/backward runs")
     p.add_argument("--keep-last", type=int, default=2)
     p.add_argument("--resume", default="none", help="none | latest | a checkpoint directory")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (DP = world / TP)")
@@ -49,7 +50,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         loop=a.loop, steps=a.steps, stop_after=a.stop_after, ckpt_dir=a.ckpt_dir, ckpt_interval=a.ckpt_interval,
-        save_at=tuple(a.save_at), async_save=a.async_save, keep_last=a.keep_last, resume=a.resume, tp=a.tp,
+        save_at=tuple(a.save_at), async_save=a.async_save, overlap=a.overlap, keep_last=a.keep_last, resume=a.resume, tp=a.tp,
         seed=a.seed, global_batch=a.global_batch,
         model=GPTConfig(seq_len=a.seq_len, d_model=a.d_model, n_head=a.heads, n_layer=a.layers),
         measure_sync_save=a.measure_sync_save,

@@ -55,6 +55,7 @@ class TrainConfig:
     ckpt_interval: int = 10  # 0: no periodic saves
     save_at: Tuple[int, ...] = ()  # extra saves, e.g. requested by a callback
     async_save: bool = False
+    overlap: bool = False  # async saves copy while the next forward/backward runs (docs/overlap.md)
     keep_last: Optional[int] = 2
     resume: str = "none"  # "none" | "latest" | a checkpoint directory
     tp: int = 2
@@ -186,8 +187,9 @@ class Trainer:
         torch.manual_seed(cfg.seed + 7919 * lay.dp_rank)
         random.seed(cfg.seed + 7919 * lay.dp_rank)
         self.strategy = strategy or Strategy(
-            lay, async_save=cfg.async_save, keep_last=cfg.keep_last, timeout=cfg.timeout
+            lay, async_save=cfg.async_save, overlap=cfg.overlap, keep_last=cfg.keep_last, timeout=cfg.timeout
         )
+        self._handles: List[Tuple[Dict[str, Any], Any]] = []  # (save record, its handle)
         self.step = 0
         self.result = RunResult(world_size=lay.tp_size * lay.dp_size, tp=lay.tp_size)
         self._producer: Optional[RolloutProducer] = None
@@ -227,6 +229,7 @@ class Trainer:
         rec = {"step": self.step, "stall_s": stall, "async": self.cfg.async_save if async_save is None else async_save}
         if handle.stats is not None:
             rec["total_s"] = handle.stats.total_s
+        self._handles.append((rec, handle))
         self.result.saves.append(rec)
         log.info("rank %d: step %d saved (%s), training blocked %.1f ms", self.rank, self.step,
                  "async" if rec["async"] else "sync", stall * 1e3)
@@ -275,8 +278,17 @@ class Trainer:
         self.strategy.prepare_checkpoint(self.cfg.ckpt_dir, self.model, self.optimizer, self.scheduler, extra)
 
     def finalize(self) -> None:
-        """End of training: wait for every pending save, whatever triggered it."""
+        """End of training: wait for every pending save, whatever triggered it.
+
+        Then each save's record gets its full stall: with overlap, the time the
+        optimizer step waited for the copy is part of it.
+        """
         self.strategy.finalize_pending_saves()
+        for rec, handle in self._handles:
+            if handle.done() and handle.exception() is None and handle.stats is not None:
+                rec["stall_s"] = handle.stats.stall_s
+                rec["total_s"] = handle.stats.total_s
+        self._handles.clear()
 
     # ------------------------------------------------------------------ steps
     def _mean_over_dp(self, x: torch.Tensor) -> float:
