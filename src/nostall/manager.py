@@ -6,6 +6,7 @@ import atexit
 import collections
 import hashlib
 import logging
+import mmap
 import os
 import signal
 import tempfile
@@ -134,7 +135,9 @@ class CheckpointManager:
             raise ValueError(f"staging_budget_bytes must be an int of at least 4 x block_size "
                              f"({4 * block_size}), got {staging_budget_bytes!r}")
         self.overlap = bool(overlap)
-        self.staging_budget_bytes = staging_budget_bytes
+        # the area is mapped in whole pages: a budget is one
+        self.staging_budget_bytes = (None if staging_budget_bytes is None
+                                     else staging_budget_bytes - staging_budget_bytes % mmap.PAGESIZE)
         self._hooks: List[Any] = []
         self.remote = remote.is_remote(root)
         self.root = str(root).rstrip("/") if self.remote else os.path.abspath(os.fspath(root))
@@ -285,7 +288,8 @@ class CheckpointManager:
         :meth:`wait_until_staged` returns. ``stage_now`` (overlap only): keys
         to copy before ``save()`` returns, because the caller changes them
         before its next optimizer step (BatchNorm's running statistics, say):
-        a callable ``key -> bool``, or key prefixes (``"model/bn1/"``).
+        a callable ``key -> bool``, or key prefixes (``"model/bn1."`` for a
+        ``state_dict()`` saved under ``"model"``).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
