@@ -52,8 +52,9 @@ def test_two_ranks_save_to_s3_and_load_resharded(pool2, s3, tmp_path, mode):
     bucket = s3.make_bucket(f"run-{mode.replace('_', '-')}")
     root = f"s3://{bucket}/job1"
     out = pool2.run(_save_remote, root, s3.storage_options, True, mode == "fallback_sync", str(tmp_path))
-    for steps, latest, ok, modes in out:
-        assert steps == [2, 3] and latest == 3 and ok
+    for rank, (steps, latest, ok, modes) in enumerate(out):
+        # rank 0 finalized its own writer's retention; another rank may look before rank 0's writer got there
+        assert (steps == [2, 3] if rank == 0 else steps in ([2, 3], [1, 2, 3])) and latest == 3 and ok
         assert modes == [mode == "async"] * 3
     fs = s3.filesystem()
     listing = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{bucket}/job1", refresh=True))

@@ -110,10 +110,14 @@ class _Files:
         self.fds.clear()
 
 
-def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]]) -> Any:
-    """The data-file source of the checkpoint at ``path``: local files or ranged object reads."""
+def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]],
+                timeout: Optional[float] = None) -> Any:
+    """The data-file source of the checkpoint at ``path``: local files or ranged object reads.
+
+    ``timeout``: object storage only, the hard bound of each ranged read (retries included).
+    """
     if remote.is_remote(path):
-        return remote.RemoteFiles(path, {n: f.size for n, f in m.files.items()}, storage_options)
+        return remote.RemoteFiles(path, {n: f.size for n, f in m.files.items()}, storage_options, timeout)
     return _Files(path, m)
 
 
@@ -220,11 +224,13 @@ def load_state(
     per_rank: str = "error",
     manifest: Optional[Manifest] = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    timeout: Optional[float] = None,
 ) -> Any:
     """Fill ``template`` from the checkpoint at ``path`` and return the restored state.
 
     ``path`` is a directory or an object-storage URL (``storage_options`` go
-    to fsspec); remote data is fetched with one ranged read per needed span.
+    to fsspec); remote data is fetched with one ranged read per needed span,
+    each bounded by ``timeout`` seconds (retries included) when given.
     ``per_rank``: ``"error"`` (default) refuses PerRank values when the world
     size differs from the save's; ``"skip"`` leaves them as in the template.
     """
@@ -281,7 +287,7 @@ def load_state(
         return walk_value(pr.value, inner)
 
     restored = walk(template, visit)
-    files = _open_files(path, m, storage_options)
+    files = _open_files(path, m, storage_options, timeout)
     try:
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
         with torch.no_grad():

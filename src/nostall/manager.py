@@ -453,6 +453,7 @@ class CheckpointManager:
                 verify=verify,
                 per_rank=per_rank,
                 storage_options=self.storage_options,
+                timeout=self.timeout,
             )
 
     # ------------------------------------------------------------------ lifetime

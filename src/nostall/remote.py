@@ -125,8 +125,10 @@ def retry(what: str, fn: Callable[[], T], *, retries: int = RETRIES, deadline: O
 class RemoteFiles:
     """Ranged reads of one remote checkpoint's data files (the loader's source)."""
 
-    def __init__(self, url: str, sizes: Dict[str, int], storage_options: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, url: str, sizes: Dict[str, int], storage_options: Optional[Dict[str, Any]] = None,
+                 timeout: Optional[float] = None) -> None:
         self.url = url.rstrip("/")
+        self.timeout = timeout  # hard bound of each call, retries included (None: the back end's timeouts)
         self.fs, self.base = filesystem(self.url, storage_options)
         self.sizes = sizes
         self.checked: Dict[str, bool] = {}
@@ -139,7 +141,7 @@ class RemoteFiles:
             return
         key = f"{self.base}/{name}"
         try:
-            size = retry(f"stat {self.path(name)}", lambda: self.fs.size(key))
+            size = retry(f"stat {self.path(name)}", lambda: self.fs.size(key), deadline=self._deadline())
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{self.path(name)}: data file missing") from None
         except Exception as e:
@@ -155,7 +157,7 @@ class RemoteFiles:
         key = f"{self.base}/{name}"
         try:
             data = retry(f"read {self.path(name)} [{offset}, {offset + length})",
-                         lambda: self.fs.cat_file(key, start=offset, end=offset + length))
+                         lambda: self.fs.cat_file(key, start=offset, end=offset + length), deadline=self._deadline())
         except Exception as e:
             raise CheckpointError(f"{self.path(name)}: ranged read [{offset}, {offset + length}) failed: {e}") from e
         if len(data) != length:
@@ -166,6 +168,9 @@ class RemoteFiles:
             into[:length] = data
             return into
         return memoryview(bytearray(data))
+
+    def _deadline(self) -> Optional[float]:
+        return time.monotonic() + self.timeout if self.timeout is not None else None
 
     def close(self) -> None:
         pass
