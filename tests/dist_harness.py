@@ -148,8 +148,11 @@ def run_ranks(
     *args: Any,
     timeout: float = 120.0,
     env: dict | None = None,
+    grace: float = FAILURE_GRACE_S,
 ) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    Once a rank failed, the others get ``grace`` seconds to finish before they are killed.
 
     Returns the per-rank return values ordered by rank.  Raises
     ``AssertionError`` if any rank raised (message contains the traceback of
@@ -213,7 +216,7 @@ def run_ranks(
                             "without reporting a result"
                         )
                         if fail_deadline is None:
-                            fail_deadline = now + FAILURE_GRACE_S
+                            fail_deadline = now + grace
                 continue
             if status == "ok":
                 try:
@@ -226,7 +229,7 @@ def run_ranks(
             else:
                 errors[rank] = res
             if errors and fail_deadline is None:
-                fail_deadline = time.monotonic() + FAILURE_GRACE_S
+                fail_deadline = time.monotonic() + grace
 
         missing = [
             r for r in range(world_size) if r not in results and r not in errors
@@ -246,7 +249,7 @@ def run_ranks(
                 raise AssertionError(msg)
             raise AssertionError(
                 f"{len(errors)} of {world_size} ranks failed "
-                f"(ranks {missing} did not report within {FAILURE_GRACE_S:g}s "
+                f"(ranks {missing} did not report within {grace:g}s "
                 f"of the first failure and were SIGKILLed):\n"
                 + _format_errors(errors)
             )
