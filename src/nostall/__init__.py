@@ -61,7 +61,12 @@ __all__ = [
 ]
 
 
+_SUBMODULES = ("dcp", "interop")  # imported on first use: ``nostall.dcp.Reader(path)``
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'nostall' has no attribute {name!r}")

@@ -1,12 +1,22 @@
-"""Command line: ``nostall inspect PATH``, ``nostall verify PATH``, ``nostall bench ...``."""
+"""Command line: ``nostall inspect|verify|ls|convert|bench``.
+
+``inspect PATH`` shows what a checkpoint holds, ``verify PATH`` re-reads every
+byte, ``ls ROOT`` lists a run root's committed steps, ``convert SRC DST``
+imports DCP checkpoints and exports safetensors / torch.save files (see
+docs/interop.md), ``bench`` compares against DCP. ``--json`` gives
+machine-readable output.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import sys
-from typing import Any, Dict, List, Optional
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
 
 from . import commit, commit_remote, remote
 from .errors import CheckpointError
@@ -104,12 +114,189 @@ def cmd_verify(args: argparse.Namespace) -> int:
     path = _resolve(args.path, so)
     report = check_checkpoint(path, so)
     where = path if remote.is_remote(path) else os.path.abspath(path)
+    if getattr(args, "json", False):
+        json.dump({"path": where, "ok": report.ok, "files": report.files, "bytes": report.bytes,
+                   "problems": report.problems}, sys.stdout, indent=1)
+        print()
+        return 0 if report.ok else 1
     if report.problems:
         print(f"FAILED  {where}: {len(report.problems)} problem(s)", file=sys.stderr)
         for problem in report.problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
     print(f"OK  {where}: {report.files} file(s), {_human(report.bytes)} of tensor data, every checksum matches")
+    return 0
+
+
+# --------------------------------------------------------------------------- ls
+
+
+def _entry(path: str, step: Optional[int], so: Optional[Dict[str, Any]], latest: Optional[int]) -> Dict[str, Any]:
+    e: Dict[str, Any] = {"step": step, "path": path if remote.is_remote(path) else os.path.abspath(path),
+                         "latest": step is not None and step == latest}
+    try:
+        m = read_manifest(path, so)
+        e.update(bytes=sum(f.size for f in m.files.values()), files=len(m.files), tensors=len(m.tensors),
+                 world_size=m.world_size)
+    except (CheckpointError, OSError) as err:
+        e.update(bytes=None, files=None, tensors=None, world_size=None, error=str(err))
+    e["modified"] = _modified(path, so)
+    return e
+
+
+def _modified(path: str, so: Optional[Dict[str, Any]]) -> Optional[str]:
+    """When the checkpoint's manifest was written (its commit), ISO 8601 UTC; None if unknown."""
+    try:
+        if remote.is_remote(path):
+            fs, key = remote.filesystem(path, so)
+            info = fs.info(f"{key.rstrip('/')}/{MANIFEST_NAME}")
+            t = info.get("LastModified") or info.get("mtime") or info.get("created")
+            if hasattr(t, "isoformat"):
+                return t.isoformat()
+            return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    so = _options(args)
+    root = args.root.rstrip("/") if remote.is_remote(args.root) else args.root
+    if remote.is_remote(root):
+        steps = commit_remote.committed_steps(root, so)
+        latest = commit_remote.latest_step(root, so)
+        paths = [commit_remote.join(root, f"step_{s}") for s in steps]
+        single = not steps and _has_manifest(root, so)
+    else:
+        if not os.path.isdir(root):
+            raise CheckpointError(f"{root}: no such directory")
+        steps = commit.committed_steps(root)
+        latest = commit.latest_step(root)
+        paths = [commit.step_dir(root, s) for s in steps]
+        single = not steps and commit.is_committed(root)
+    entries = [_entry(p, s, so, latest) for p, s in zip(paths, steps)]
+    if single:  # a one-shot checkpoint directory: list it alone
+        entries = [_entry(root, None, so, None)]
+    out = {"root": root if remote.is_remote(root) else os.path.abspath(root), "latest": latest,
+           "checkpoints": entries}
+    if args.json:
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
+    if not entries:
+        print(f"{out['root']}: no committed checkpoint")
+        return 0
+    print(f"{out['root']}: {len(entries)} committed checkpoint(s)" + (f", latest step {latest}" if latest is not None else ""))
+    for e in entries:
+        size = _human(e["bytes"]) if e["bytes"] is not None else "?"
+        name = f"step_{e['step']}" if e["step"] is not None else os.path.basename(e["path"].rstrip("/"))
+        mark = "  <- latest" if e["latest"] else ""
+        detail = f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None else f"UNREADABLE: {e['error']}"
+        print(f"  {name:<14} {size:>11}  {e['modified'] or '?':<20}  {detail}{mark}")
+    return 0
+
+
+def _has_manifest(url: str, so: Optional[Dict[str, Any]]) -> bool:
+    fs, key = remote.filesystem(url, so)
+    return bool(fs.exists(f"{key}/{MANIFEST_NAME}"))
+
+
+# --------------------------------------------------------------------------- convert
+
+
+class _ProgressLine:
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.last = 0.0
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < 0.2:
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        sys.stderr.write(f"\r{self.label} [{bar}] {100 * frac:5.1f}%  {_human(done)} of {_human(total)}")
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .interop._common import parse_size
+
+    so = _options(args)
+    src_kind = args.from_
+    dst_kind = args.to or ("nostall" if src_kind == "dcp" else "safetensors")
+    if src_kind == "nostall" and dst_kind == "nostall":
+        raise CheckpointError("convert: --from nostall needs --to safetensors or --to torch")
+    if src_kind == "dcp" and remote.is_remote(args.src):
+        raise CheckpointError("convert --from dcp reads a local DCP directory")
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    memory_limit = parse_size(args.memory_limit)
+    result: Dict[str, Any] = {"src": args.src, "dst": args.dst, "from": src_kind, "to": dst_kind}
+
+    def bar(label: str) -> Optional[Callable[[int, int], None]]:
+        return _ProgressLine(label) if show else None
+
+    tmp: Optional[str] = None
+    try:
+        src = args.src
+        if src_kind == "dcp":
+            from .interop.dcp import import_dcp
+
+            if dst_kind == "nostall":
+                out = args.dst
+            else:  # DCP -> nostall (next to the destination) -> export
+                parent = os.path.dirname(os.path.abspath(args.dst))
+                os.makedirs(parent, exist_ok=True)
+                tmp = tempfile.mkdtemp(prefix=".nostall-convert-", dir=parent)
+                out = os.path.join(tmp, "ckpt")
+            p = bar("import")
+            try:
+                m = import_dcp(src, out, unsupported_objects="skip" if args.skip_unsupported else "error",
+                               progress=p, block_size=args.block_size)
+            finally:
+                if p is not None:
+                    p.close()
+            result.update(tensors=len(m.tensors), objects=len(m.objects),
+                          bytes=sum(f.size for f in m.files.values()))
+            src, so = out, None
+        else:
+            src = _resolve(src, so)
+            result["src"] = src
+        if dst_kind in ("safetensors", "torch"):
+            from .interop.export import export
+
+            p = bar("export")
+            try:
+                rep = export(src, args.dst, to=dst_kind, keys=args.keys or None, strip_prefix=args.strip_prefix,
+                             separator=args.separator, dtype=args.dtype, max_shard_size=parse_size(args.max_shard_size),
+                             memory_limit=memory_limit, overwrite=args.overwrite, storage_options=so, progress=p)
+            finally:
+                if p is not None:
+                    p.close()
+            result.update(rep.to_json())
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        if "files" in result:
+            print(f"wrote {len(result['files'])} file(s), {result['tensors']} tensor(s), {_human(result['bytes'])} "
+                  f"to {args.dst}")
+        else:
+            print(f"imported {result['tensors']} tensor(s) and {result['objects']} value(s) into {args.dst}")
     return 0
 
 
@@ -120,7 +307,7 @@ def _bench(rest: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="nostall", description="Inspect, verify and benchmark nostall checkpoints.")
+    p = argparse.ArgumentParser(prog="nostall", description="Inspect, verify, list, convert and benchmark nostall checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("inspect", help="show what a checkpoint holds")
     pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
@@ -130,8 +317,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     pi.add_argument("--storage-options", default=None, help=so_help)
     pv = sub.add_parser("verify", help="re-read every byte and check every checksum")
     pv.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
+    pv.add_argument("--json", action="store_true", help="machine-readable output (exit status 1 if damaged)")
     pv.set_defaults(fn=cmd_verify)
     pv.add_argument("--storage-options", default=None, help=so_help)
+    pl = sub.add_parser("ls", help="list the committed checkpoints of a run root: steps, sizes, dates")
+    pl.add_argument("root", help="run root (directory or URL)")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.add_argument("--storage-options", default=None, help=so_help)
+    pl.set_defaults(fn=cmd_ls)
+    pc = sub.add_parser(
+        "convert", help="import a DCP checkpoint, or export to safetensors / torch.save (see docs/interop.md)",
+        description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist) "
+                    "directory into the nostall format; --to safetensors / --to torch exports consolidated full "
+                    "tensors with bounded memory.")
+    pc.add_argument("src", help="source: nostall checkpoint (or run root: its newest), or a DCP directory")
+    pc.add_argument("dst", help="destination: directory (nostall, safetensors) or file (torch)")
+    pc.add_argument("--from", dest="from_", choices=["nostall", "dcp"], default="nostall", help="source format")
+    pc.add_argument("--to", choices=["nostall", "safetensors", "torch"], default=None,
+                    help="destination format (default: nostall from dcp, safetensors from nostall)")
+    pc.add_argument("--keys", nargs="+", default=None, metavar="KEY",
+                    help="export only these keys: prefixes (model) or globs (model/*.weight)")
+    pc.add_argument("--strip-prefix", default=None, help="leading key components to drop from exported names")
+    pc.add_argument("--separator", default=".", help="joins key components in exported names (default '.')")
+    pc.add_argument("--dtype", default=None, help="cast floating-point tensors on export: bf16, fp16, fp32, fp64")
+    pc.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    pc.add_argument("--memory-limit", default="1GB", help="buffer memory the export may hold (default 1GB)")
+    pc.add_argument("--block-size", type=int, default=4 << 20, help="checksum block size of an imported checkpoint")
+    pc.add_argument("--skip-unsupported", action="store_true",
+                    help="import: leave out DCP values that are not JSON (default: refuse)")
+    pc.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
+    pc.add_argument("--progress", dest="progress", action="store_true", default=None,
+                    help="draw a progress bar on stderr (default: when stderr is a terminal)")
+    pc.add_argument("--no-progress", dest="progress", action="store_false")
+    pc.add_argument("--json", action="store_true", help="machine-readable summary")
+    pc.add_argument("--storage-options", default=None, help=so_help)
+    pc.set_defaults(fn=cmd_convert)
     pb = sub.add_parser("bench", help="benchmark against PyTorch DCP, torch.save and the machine's limits",
                         add_help=False)
     pb.add_argument("rest", nargs=argparse.REMAINDER)
@@ -142,7 +362,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except CheckpointError as e:
         print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
         return 1
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
         return 1
 

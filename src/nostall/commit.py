@@ -360,20 +360,32 @@ class RootLock:
     crashed job never leaves a stale claim. The holder writes its host, pid
     and start time into the file, so a refused second job can say who holds it.
     Only the holder saves and cleans up leftovers.
+
+    On a shared filesystem without lock support (NFS mounted ``nolock`` or
+    without lockd, Lustre without ``-o flock``) ``flock`` fails with
+    ENOLCK / ENOSYS / EOPNOTSUPP: the claim is then taken without the
+    cross-job guard (``supported`` is False), with a warning, as on object
+    storage. Only a lock held by another process refuses the root.
     """
 
     NAME = ".lock"
+    _UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
     def __init__(self, root: str) -> None:
         os.makedirs(os.path.join(root, TMP_DIR), exist_ok=True)
         self.path = os.path.join(root, TMP_DIR, self.NAME)
         self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.supported = True
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             self.held = True
-        except OSError:
-            self.held = False
-            return
+        except OSError as e:
+            if e.errno not in self._UNSUPPORTED:
+                self.held = False
+                return
+            self.held, self.supported = True, False
+            log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
+                        "second job on this root: make sure one job saves to it at a time", root, e)
         owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
         os.ftruncate(self.fd, 0)

@@ -152,6 +152,7 @@ class CheckpointManager:
         self._closed = False
         self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
+        self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._root_lock: Optional[commit.RootLock] = None
         self._last_records: Optional[str] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
@@ -346,7 +347,12 @@ class CheckpointManager:
             result = pending.failed
         else:
             assert self._writer is not None
-            result = self._writer.wait(timeout)  # raises on timeout; the save stays pending
+            try:
+                result = self._writer.wait(timeout)  # raises on timeout; the save stays pending
+            except CheckpointError:
+                if timeout is None:
+                    self._waited_out = pending
+                raise
         self._pending = None
         try:
             stats = self._saver.complete(pending, result, handle.path)
@@ -461,12 +467,16 @@ class CheckpointManager:
         """Finalize pending saves, stop the writer and release resources. Idempotent.
 
         Raises the error of a failed pending save (after releasing everything).
+        A pending save that a finalize already waited the full bound for
+        (its outcome never came: the committing rank's host died, say) is
+        not waited for again, and its writer is stopped at once.
         """
         with self._lock:
             if self._closed:
                 return
             try:
-                self.finalize_pending_saves()
+                spent = self._pending is not None and self._pending[0] is self._waited_out
+                self.finalize_pending_saves(0.0 if spent else None)
             finally:
                 self._closed = True
                 self._pending = None
@@ -475,7 +485,10 @@ class CheckpointManager:
                 self._hooks.clear()
                 atexit.unregister(self._at_exit)
                 if self._writer is not None:
-                    self._writer.close()
+                    # A job still in flight here timed out above (e.g. rank 0's host died, so its outcome
+                    # never comes): the writer would answer "stop" only after its own bounded waits. It is
+                    # killed at once instead (a crash at any point is safe), so close() stays within its bound.
+                    self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
                 if self._root_lock is not None:
                     self._root_lock.release()
                 self._comm.close()

@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import commit
+from .. import commit, commit_remote, remote
 from ..api import load as _load_path
 from ..errors import CheckpointError, CheckpointLoadError, CheckpointNotFoundError, InvalidStateError
 from ..format import MANIFEST_NAME
@@ -315,6 +315,11 @@ class Strategy:
         process_group: ranks that checkpoint together (default: all).
         timeout: bound, in seconds, of every wait.
         errors: what a failed background save does; see CheckpointManager.
+        storage_options: fsspec options for a ``ckpt_dir`` on object storage
+            (``s3://bucket/run``); see docs/object-storage.md.
+        local_staging_dir: object storage: this host's local scratch where
+            each rank stages its files before uploading them (default: under
+            the temp dir). Must be node-local; see docs/topologies.md.
 
     Threading: every method may be called from any thread; the managers
     serialise concurrent calls. What ``save_checkpoint`` reads (parameters,
@@ -331,8 +336,12 @@ class Strategy:
         process_group: Any = None,
         timeout: float = 600.0,
         errors: str = "raise",
+        storage_options: Optional[Dict[str, Any]] = None,
+        local_staging_dir: Optional[str] = None,
     ) -> None:
         self.layout = layout
+        self.storage_options = storage_options
+        self.local_staging_dir = local_staging_dir
         self.async_save = async_save
         self.overlap = overlap
         self._attached: Dict[str, "weakref.WeakSet"] = {}  # per ckpt_dir: the optimizers attached
@@ -363,9 +372,15 @@ class Strategy:
         state["extra"] = extra
         return state
 
+    @staticmethod
+    def _root(ckpt_dir: str) -> str:
+        """``ckpt_dir`` as a manager names it: an absolute path, or a URL as it is (no trailing slash)."""
+        path = os.fspath(ckpt_dir)
+        return str(path).rstrip("/") if remote.is_remote(path) else os.path.abspath(path)
+
     def manager(self, ckpt_dir: str) -> CheckpointManager:
         """The manager of ``ckpt_dir``, created (collectively) on first use."""
-        root = os.path.abspath(os.fspath(ckpt_dir))
+        root = self._root(ckpt_dir)
         mgr = self._managers.get(root)
         if mgr is None:
             mgr = CheckpointManager(
@@ -376,6 +391,8 @@ class Strategy:
                 overlap=self.overlap,
                 timeout=self.timeout,
                 errors=self.errors,
+                storage_options=self.storage_options,
+                local_staging_dir=self.local_staging_dir,
             )
             self._managers[root] = mgr
         return mgr
@@ -447,11 +464,16 @@ class Strategy:
 
     def latest_step(self, ckpt_dir: str) -> Optional[int]:
         """The newest committed step under ``ckpt_dir`` (pending saves not counted)."""
-        return commit.latest_step(os.path.abspath(os.fspath(ckpt_dir)))
+        root = self._root(ckpt_dir)
+        if remote.is_remote(root):
+            return commit_remote.latest_step(root, self.storage_options)
+        return commit.latest_step(root)
 
     def resolve(self, ckpt_dir: str, step: Optional[int] = None) -> Tuple[int, str]:
         """(step, directory) of a checkpoint: ``ckpt_dir`` itself if it is one, else its ``step`` (None: latest)."""
-        path = os.path.abspath(os.fspath(ckpt_dir))
+        path = self._root(ckpt_dir)
+        if remote.is_remote(path):
+            return self._resolve_remote(path, step)
         if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
             return -1, path
         if step is None:
@@ -462,6 +484,19 @@ class Strategy:
         if not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
             raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {path}")
         return step, d
+
+    def _resolve_remote(self, url: str, step: Optional[int]) -> Tuple[int, str]:
+        fs, key = remote.filesystem(url, self.storage_options)
+        fs.invalidate_cache()  # other processes write here: never trust a cached listing
+        if remote.retry(f"stat {url}", lambda: fs.exists(f"{key}/{MANIFEST_NAME}")):
+            return -1, url
+        if step is None:
+            step = self.latest_step(url)
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
+        elif step not in commit_remote.committed_steps(url, self.storage_options):
+            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {url}")
+        return step, commit_remote.join(url, f"step_{step}")
 
     def load_checkpoint(
         self,
@@ -494,7 +529,8 @@ class Strategy:
         template["scheduler"] = None
         template["extra"] = extra
         template["step"] = None
-        restored = _load_path(template, path, verify=verify, per_rank="skip", process_group=self.process_group)
+        restored = _load_path(template, path, verify=verify, per_rank="skip", process_group=self.process_group,
+                              storage_options=self.storage_options)
         rng_restored = False
         if load_rng:
             # per_rank="skip" keeps the template's (current) values on another world size

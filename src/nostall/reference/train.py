@@ -6,12 +6,20 @@
 Each rank joins the gloo group torchrun set up, trains, and rank 0 prints the
 losses and what each save blocked training for. ``--history FILE`` writes
 rank 0's :class:`RunResult` as JSON.
+
+On several hosts (docs/topologies.md), ``--ckpt-dir`` is a directory every
+host shares, or an object-storage URL (``s3://bucket/run``, with
+``--storage-options`` as JSON and ``--local-staging-dir`` on each host's own
+disk). ``--timeout`` bounds every checkpoint wait and ``--pg-timeout`` every
+collective of the training process group, so a job whose peer host died ends
+instead of hanging.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import sys
 from typing import List, Optional
@@ -44,6 +52,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--measure-sync-save", action="store_true", help="time one sync save of the final state")
     p.add_argument("--history", default=None, help="write rank 0's run record (JSON) here")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds: bound of every checkpoint wait")
+    p.add_argument("--pg-timeout", type=float, default=300.0,
+                   help="seconds: bound of the training process group's start-up and collectives")
+    p.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                   help="fsspec options when --ckpt-dir is a URL (s3://...)")
+    p.add_argument("--local-staging-dir", default=None,
+                   help="object storage: this host's local scratch for the files before upload (default: under TMPDIR)")
     return p.parse_args(argv)
 
 
@@ -53,7 +68,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         save_at=tuple(a.save_at), async_save=a.async_save, overlap=a.overlap, keep_last=a.keep_last, resume=a.resume, tp=a.tp,
         seed=a.seed, global_batch=a.global_batch,
         model=GPTConfig(seq_len=a.seq_len, d_model=a.d_model, n_head=a.heads, n_layer=a.layers),
-        measure_sync_save=a.measure_sync_save,
+        measure_sync_save=a.measure_sync_save, timeout=a.timeout, storage_options=a.storage_options,
+        local_staging_dir=a.local_staging_dir,
     )
 
 
@@ -69,7 +85,7 @@ def train(cfg: TrainConfig) -> RunResult:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # ranks share the cores; also keeps CPU results reproducible
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[rank {rank}] %(message)s")

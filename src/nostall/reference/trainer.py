@@ -68,6 +68,8 @@ class TrainConfig:
     gen_len: int = 8
     measure_sync_save: bool = False  # after training, time one synchronous save of the same state
     timeout: float = 300.0
+    storage_options: Optional[Dict[str, Any]] = None  # fsspec options when ckpt_dir is a URL (s3://...)
+    local_staging_dir: Optional[str] = None  # object storage: this host's local scratch (default: under TMPDIR)
 
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
@@ -187,7 +189,8 @@ class Trainer:
         torch.manual_seed(cfg.seed + 7919 * lay.dp_rank)
         random.seed(cfg.seed + 7919 * lay.dp_rank)
         self.strategy = strategy or Strategy(
-            lay, async_save=cfg.async_save, overlap=cfg.overlap, keep_last=cfg.keep_last, timeout=cfg.timeout
+            lay, async_save=cfg.async_save, overlap=cfg.overlap, keep_last=cfg.keep_last, timeout=cfg.timeout,
+            storage_options=cfg.storage_options, local_staging_dir=cfg.local_staging_dir,
         )
         self._handles: List[Tuple[Dict[str, Any], Any]] = []  # (save record, its handle)
         self.step = 0

@@ -1,0 +1,281 @@
+"""Helpers shared by the interoperability modules.
+
+* keys: nostall keys <-> their path components, and nested templates from keys;
+* :class:`_Source`: reads any region of any tensor of a checkpoint, verifying
+  the checksum blocks it touches (the loader's own read path);
+* :func:`write_checkpoint`: one process writes a whole checkpoint (world size
+  1) piece by piece, with the same format and commit rule as a save;
+* :class:`Progress`: progress reports for long conversions.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .. import commit
+from .._tensorbuf import byte_view
+from ..errors import CheckpointError, CheckpointLoadError, CheckpointSaveError, describe
+from ..format import (
+    DEFAULT_BLOCK_SIZE,
+    FileEntry,
+    FileRecord,
+    Manifest,
+    PieceRecord,
+    RankRecord,
+    TensorRecord,
+    data_file_name,
+    layout_file,
+    piece_name,
+)
+from ..loading import _execute, _open_files, _plan_reads, _Read, read_manifest
+from .._dtypes import torch_dtype
+from ..model import escape_component, numel
+
+log = logging.getLogger("nostall.interop")
+
+Shape = Tuple[int, ...]
+ProgressFn = Callable[[int, int], None]
+"""progress(done_bytes, total_bytes), called as a conversion advances."""
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def split_key(key: str) -> List[str]:
+    """The unescaped path components of a nostall key (``a/b~1c`` -> ``["a", "b/c"]``)."""
+    if key == "":
+        return [""]
+    return [c.replace("~1", "/").replace("~0", "~") for c in key.split("/")]
+
+
+def join_components(parts: Sequence[Any]) -> str:
+    """The nostall key of a path (components escaped)."""
+    return "/".join(escape_component(p) for p in parts)
+
+
+def nest(leaves: Dict[str, Any]) -> Dict[str, Any]:
+    """A nested dict whose nostall keys are ``leaves``' keys (the inverse of flattening)."""
+    root: Dict[str, Any] = {}
+    for key, value in leaves.items():
+        parts = split_key(key)
+        node = root
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ValueError(f"key {key!r} lies under a leaf")
+            node = nxt
+        if parts[-1] in node:
+            raise ValueError(f"key {key!r} given twice")
+        node[parts[-1]] = value
+    return root
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Source:
+    """An open checkpoint: read regions of its tensors, checksums verified.
+
+    Reads go through the loader's planner and executor, so a region costs only
+    the checksum blocks that cover it, and every byte used is verified.
+    """
+
+    def __init__(self, path: str, *, storage_options: Optional[Dict[str, Any]] = None, verify: bool = True,
+                 manifest: Optional[Manifest] = None) -> None:
+        self.path = path
+        self.verify = verify
+        self.manifest = manifest if manifest is not None else read_manifest(path, storage_options)
+        self.files = _open_files(path, self.manifest, storage_options)
+
+    def record(self, key: str) -> TensorRecord:
+        rec = self.manifest.tensors.get(key)
+        if rec is None:
+            raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {self.path}")
+        return rec
+
+    def read(self, key: str, offset: Sequence[int], dest: torch.Tensor, *, cast: bool = False) -> None:
+        """Fill ``dest`` with the region of tensor ``key`` that starts at ``offset`` (global
+        coordinates) and has ``dest``'s shape. ``cast``: allow a dtype other than the stored one."""
+        rec = self.record(key)
+        off = tuple(int(x) for x in offset)
+        shape = tuple(dest.shape)
+        if len(off) != len(rec.shape) or len(shape) != len(rec.shape) or any(
+            o < 0 or o + s > g for o, s, g in zip(off, shape, rec.shape)
+        ):
+            raise CheckpointLoadError(
+                f"key {key!r}: region at offset {list(off)} of shape {list(shape)} lies outside the stored "
+                f"shape {list(rec.shape)} ({self.path})"
+            )
+        if not cast and dest.dtype != torch_dtype(rec.dtype):
+            raise CheckpointLoadError(
+                f"key {key!r}: the checkpoint holds {torch_dtype(rec.dtype)}, the destination is {dest.dtype}"
+            )
+        reads: List[_Read] = []
+        _plan_reads(rec, dest, off, reads)
+        reads.sort(key=lambda r: (r.piece.file, r.piece.start))
+        with torch.no_grad():
+            for r in reads:
+                _execute(r, self.files, self.manifest, self.verify)
+
+    def read_new(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
+        """A new tensor holding the region of ``key`` at ``offset`` with ``shape``."""
+        rec = self.record(key)
+        out = torch.empty(tuple(shape), dtype=torch_dtype(rec.dtype))
+        self.read(key, offset, out)
+        return out
+
+    def close(self) -> None:
+        self.files.close()
+
+    def __enter__(self) -> "_Source":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """Counts bytes done; calls ``fn`` on every advance and logs at most every ``every_s`` seconds."""
+
+    def __init__(self, what: str, total: int, fn: Optional[ProgressFn] = None, every_s: float = 10.0) -> None:
+        self.what = what
+        self.total = total
+        self.done = 0
+        self.fn = fn
+        self.every_s = every_s
+        self.t0 = time.monotonic()
+        self._last = self.t0
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self.fn is not None:
+            self.fn(self.done, self.total)
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            log.info("%s: %.1f%% (%d of %d bytes, %.1f s)", self.what, pct, self.done, self.total, now - self.t0)
+
+    def finish(self) -> None:
+        log.info("%s: done, %d bytes in %.1f s", self.what, self.done, time.monotonic() - self.t0)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass
+class PieceSource:
+    """One piece of a tensor to write: its box and how to produce its bytes.
+
+    ``produce()`` returns a contiguous CPU tensor of exactly ``shape`` and the
+    tensor's dtype; it is called once, when the piece's turn comes, so only one
+    piece is in memory at a time.
+    """
+
+    offset: Shape
+    shape: Shape
+    produce: Callable[[], torch.Tensor]
+
+
+@dataclass
+class TensorSource:
+    key: str
+    dtype: str  # format code
+    shape: Shape
+    pieces: List[PieceSource]
+
+
+def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[str, Any], *,
+                     block_size: int = DEFAULT_BLOCK_SIZE, progress: Optional[Progress] = None) -> Manifest:
+    """Write a one-shot checkpoint (world size 1) at ``dst``, one piece in memory at a time.
+
+    The data file is laid out from the pieces' metadata first, then each
+    piece is produced, checksummed and written in file order; the manifest is
+    written last and the directory renamed into place (the commit rule of a
+    save). Pieces with no elements are left out.
+    """
+    from ..writer import write_file_image  # torch-free module; imported late (heavy import chain avoided)
+
+    fname = data_file_name(0)
+    entries: List[FileEntry] = []
+    where_of: Dict[str, Tuple[TensorSource, PieceSource]] = {}
+    for t in tensors:
+        isz = torch_dtype(t.dtype).itemsize
+        for p in t.pieces:
+            if numel(p.shape) == 0:
+                continue
+            name = piece_name(t.key, p.offset, p.shape, t.shape)
+            if name in where_of:
+                raise CheckpointSaveError(f"key {t.key!r}: two pieces at offset {list(p.offset)}")
+            entries.append(FileEntry(name, t.dtype, tuple(p.shape), numel(p.shape) * isz))
+            where_of[name] = (t, p)
+    header, where, size = layout_file(entries, {"format": "nostall", "rank": "0", "world_size": "1"})
+    order = sorted(where, key=lambda n: where[n][0])
+
+    target = commit.PathTarget(os.fspath(dst))
+    try:
+        target.prepare()
+    except OSError as e:
+        raise CheckpointSaveError(f"cannot write {dst}: {describe(e)}") from None
+
+    def parts() -> Iterator[Tuple[int, memoryview]]:
+        for name in order:
+            t, p = where_of[name]
+            data = p.produce()
+            if tuple(data.shape) != tuple(p.shape) or data.dtype != torch_dtype(t.dtype):
+                raise CheckpointSaveError(
+                    f"key {t.key!r}: piece at {list(p.offset)} produced {data.dtype} {list(data.shape)}, "
+                    f"expected {torch_dtype(t.dtype)} {list(p.shape)}"
+                )
+            data = data.detach().contiguous()
+            buf = byte_view(data)
+            yield where[name][0], buf
+            if progress is not None:
+                progress.advance(len(buf))
+            del buf, data
+
+    try:
+        crcs: Dict[Tuple[str, int, int], Sequence[int]] = {}
+        if entries:
+            crcs = write_file_image(os.path.join(target.staging, fname), header, parts(), size, block_size, fname)
+        recs: Dict[str, TensorRecord] = {}
+        for t in tensors:
+            pieces = []
+            for p in t.pieces:
+                if numel(p.shape) == 0:
+                    continue
+                s, e = where[piece_name(t.key, p.offset, p.shape, t.shape)]
+                pieces.append(PieceRecord(tuple(p.offset), tuple(p.shape), fname, s, e, tuple(crcs[(fname, s, e)])))
+            whole = len(pieces) == 1 and pieces[0].shape == tuple(t.shape)
+            recs[t.key] = TensorRecord(t.key, t.dtype, tuple(t.shape), not whole and bool(t.shape), tuple(pieces))
+        files = {fname: FileRecord(fname, 0, size)} if entries else {}
+        manifest = Manifest(step=None, world_size=1, block_size=block_size, files=files, tensors=recs,
+                            objects=dict(objects), per_rank=(RankRecord({}, {}),))
+        manifest._check(os.path.join(target.final, "manifest.json"))  # the pieces must tile every tensor
+        target.publish(manifest.to_json_bytes(), {fname: size} if entries else {})
+    except BaseException as e:
+        target.abort()
+        if isinstance(e, CheckpointError):
+            raise
+        if isinstance(e, Exception):
+            raise CheckpointSaveError(f"writing {dst} failed: {describe(e)}") from e
+        raise
+    return manifest
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"512MiB"``, ``"100M"``, ``"4096"`` -> bytes (K, M, G, T are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:[iI]?[bB])?\s*", str(text))
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 5GB)")
+    return int(float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " "))))

@@ -1,0 +1,446 @@
+"""PyTorch Distributed Checkpoint (DCP) interoperability, both ways.
+
+* :class:`Reader` is a ``torch.distributed.checkpoint`` StorageReader over a
+  nostall checkpoint: ``dcp.load(state, storage_reader=Reader(path))`` loads
+  it into any DCP state dict (plain tensors, DTensor, torch ShardedTensor), on
+  any world size, resharding like DCP does. Each saved piece is one DCP chunk;
+  a read fetches only the checksum blocks covering the requested region and
+  verifies them. JSON values are served as DCP "bytes" items; per-rank values
+  are not exposed (DCP has no notion of them).
+
+* :func:`import_dcp` converts a DCP checkpoint directory (written by
+  ``dcp.save``, or Megatron's ``torch_dist`` format) into a nostall
+  checkpoint, chunk by chunk. DCP's ``.metadata`` file is a pickle: importing
+  trusts the source, as DCP itself does. Tensor chunks are read with
+  ``torch.load(weights_only=True)``, and so are non-tensor items, which must
+  then be JSON values.
+
+Key mapping: a nostall key's components joined with ``.`` are the DCP fully
+qualified name, as DCP's own flattening of nested dicts produces it
+(``model/layer.weight`` <-> ``model.layer.weight``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from .._dtypes import dtype_code, torch_dtype
+from ..errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
+from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
+from ..loading import _execute, _open_files, _Read, read_manifest
+from ..model import check_json, numel, to_json, walk
+from .. import remote
+from ._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
+
+log = logging.getLogger("nostall.interop")
+
+__all__ = ["Reader", "import_dcp", "fqn_of"]
+
+
+def fqn_of(key: str) -> str:
+    """The DCP fully qualified name of a nostall key (components joined with ``.``)."""
+    return ".".join(split_key(key))
+
+
+# --------------------------------------------------------------------------- reading nostall through DCP
+
+
+class Reader(StorageReader):
+    """A DCP StorageReader over the nostall checkpoint at ``path``.
+
+    Args:
+        path: a checkpoint directory or object-storage URL (optional: DCP's
+            ``checkpoint_id`` may give it instead).
+        verify: check the CRC32C of every block read (default True).
+        storage_options: fsspec options for object storage.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike, None] = None, *, verify: bool = True,
+                 storage_options: Optional[Dict[str, Any]] = None) -> None:
+        super().__init__()
+        self.path: Optional[str] = os.fspath(path) if path is not None else None
+        self.verify = verify
+        self.storage_options = storage_options
+        self._manifest: Optional[Manifest] = None
+        self._keys: Dict[str, str] = {}  # fqn -> nostall key (tensors)
+        self._objects: Dict[str, Any] = {}  # fqn -> JSON value
+
+    # ---------------------------------------------------------------- protocol
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self._manifest = None
+        self._keys = {}
+        self._objects = {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        path = os.fspath(checkpoint_id)
+        if remote.is_remote(path):
+            return False  # never picked automatically for a URL; pass Reader(url) explicitly
+        return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+
+    @property
+    def checkpoint_id(self) -> Optional[str]:
+        return self.path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # DCP's per-rank fallback: nostall has one manifest only
+            raise CheckpointNotFoundError("a nostall checkpoint has no per-rank metadata")
+        m = self._load_manifest()
+        md: Dict[str, Any] = {}
+        for fqn, key in self._keys.items():
+            rec = m.tensors[key]
+            chunks = [ChunkStorageMetadata(torch.Size(p.offset), torch.Size(p.shape)) for p in rec.pieces
+                      if numel(p.shape) > 0]
+            if not chunks:  # no elements: one empty chunk, so that a plan can still name it
+                chunks = [ChunkStorageMetadata(torch.Size((0,) * len(rec.shape)), torch.Size(rec.shape))]
+            md[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch_dtype(rec.dtype)), torch.Size(rec.shape),
+                                            chunks)
+        for fqn in self._objects:
+            md[fqn] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=md, planner_data=None, storage_data=None)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._load_manifest()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        m = self._load_manifest()
+        files = _open_files(self._path(), m, self.storage_options)
+        try:
+            tensor_items = []
+            for item in plan.items:
+                if item.type == LoadItemType.BYTE_IO:
+                    fqn = item.storage_index.fqn
+                    if fqn not in self._objects:
+                        raise CheckpointLoadError(f"{fqn!r}: no such value in the checkpoint at {self.path}")
+                    buf = io.BytesIO()
+                    torch.save(self._objects[fqn], buf)  # a JSON value we decoded ourselves
+                    buf.seek(0)
+                    planner.load_bytes(item, buf)
+                elif numel(tuple(item.lengths)) == 0:  # nothing to copy (an empty tensor or region)
+                    planner.commit_tensor(item, planner.resolve_tensor(item).detach())
+                else:
+                    rec, piece = self._piece(item)
+                    tensor_items.append((piece.file, piece.start, item, rec, piece))
+            tensor_items.sort(key=lambda x: (x[0], x[1]))
+            with torch.no_grad():
+                for _, _, item, rec, piece in tensor_items:
+                    target = planner.resolve_tensor(item).detach()
+                    lengths = tuple(int(x) for x in item.lengths)
+                    if tuple(target.shape) != lengths:
+                        raise CheckpointLoadError(
+                            f"{item.storage_index.fqn!r}: the planner's target has shape {list(target.shape)}, "
+                            f"the read {list(lengths)}"
+                        )
+                    box = tuple(o + int(s) for o, s in zip(piece.offset, item.storage_offsets))
+                    if target.device.type == "cpu":
+                        dest = target
+                    else:
+                        dest = torch.empty(lengths, dtype=target.dtype)
+                    _execute(_Read(rec, piece, box, lengths, dest), files, m, self.verify)
+                    if dest is not target:
+                        target.copy_(dest)
+                    planner.commit_tensor(item, target)
+        finally:
+            files.close()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # ---------------------------------------------------------------- helpers
+    def _path(self) -> str:
+        if self.path is None:
+            raise CheckpointLoadError("nostall.dcp.Reader: no checkpoint path (pass one, or DCP's checkpoint_id)")
+        return self.path
+
+    def _load_manifest(self) -> Manifest:
+        if self._manifest is None:
+            m = read_manifest(self._path(), self.storage_options)
+            keys: Dict[str, str] = {}
+            objects: Dict[str, Any] = {}
+            for key in m.tensors:
+                fqn = fqn_of(key)
+                if fqn in keys:
+                    raise CheckpointLoadError(
+                        f"keys {keys[fqn]!r} and {key!r} both map to the DCP name {fqn!r} ({self.path})"
+                    )
+                keys[fqn] = key
+            for key, value in m.objects.items():
+                _expand_object(split_key(key), value, objects)
+            for fqn in objects:
+                if fqn in keys:
+                    raise CheckpointLoadError(f"the DCP name {fqn!r} is both a tensor and a value in {self.path}")
+            self._manifest, self._keys, self._objects = m, keys, objects
+        return self._manifest
+
+    def _piece(self, item: ReadItem) -> Tuple[TensorRecord, PieceRecord]:
+        fqn = item.storage_index.fqn
+        key = self._keys.get(fqn)
+        if key is None:
+            raise CheckpointLoadError(f"{fqn!r}: no such tensor in the checkpoint at {self.path}")
+        assert self._manifest is not None
+        rec = self._manifest.tensors[key]
+        offset = tuple(int(x) for x in (item.storage_index.offset or ()))
+        for p in rec.pieces:
+            if p.offset == offset:
+                return rec, p
+        raise CheckpointLoadError(f"{fqn!r}: no piece at offset {list(offset)} in {self.path}")
+
+
+def _expand_object(path: List[str], value: Any, out: Dict[str, Any]) -> None:
+    """DCP names for a JSON value as DCP's flattening would produce them: dicts are
+    traversed, anything else (lists included) is one item."""
+    if isinstance(value, dict) and value:
+        for k, v in value.items():
+            _expand_object(path + [str(k)], v, out)
+    else:
+        out[".".join(path)] = value
+
+
+# --------------------------------------------------------------------------- importing DCP into nostall
+
+
+class _ChunkPlanner(LoadPlanner):
+    """A minimal planner: resolves each read into a buffer we own; bytes through weights_only."""
+
+    def __init__(self) -> None:
+        self.targets: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
+        self.values: Dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan([])
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.values[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        return self.targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ()))]
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def _paths(md: Metadata) -> Dict[str, Tuple[Any, ...]]:
+    """fqn -> the object path of the saved state (DCP keeps it as planner data), or (fqn,)."""
+    pd = md.planner_data
+    out: Dict[str, Tuple[Any, ...]] = {}
+    for fqn in md.state_dict_metadata:
+        path = pd.get(fqn) if isinstance(pd, dict) else None
+        ok = isinstance(path, tuple) and path and all(isinstance(p, (str, int)) for p in path) \
+            and ".".join(str(p) for p in path) == fqn
+        out[fqn] = tuple(path) if ok else (fqn,)
+    return out
+
+
+def _nostall_keys(paths: Dict[str, Tuple[Any, ...]], tensors: Sequence[str]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
+    """The nostall keys of a DCP state: rebuild the nested structure from the object paths
+    and flatten it the way nostall flattens a state (a container without tensors is one
+    JSON value). Returns fqn -> key for tensors, and object key -> fqns beneath it."""
+    tset = set(tensors)
+    root: Dict[Any, Any] = {}
+    markers: Dict[int, str] = {}
+    for fqn, path in paths.items():
+        node = root
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise CheckpointLoadError(f"DCP item {fqn!r} lies under another item")
+        leaf: Any
+        if fqn in tset:
+            leaf = torch.empty(0)
+            markers[id(leaf)] = fqn
+        else:
+            leaf = _Marker(fqn)
+        node[path[-1]] = leaf
+    root = _listify(root)
+    tensor_keys: Dict[str, str] = {}
+    object_keys: Dict[str, List[str]] = {}
+
+    def visit(kind: str, key: str, v: Any) -> Any:
+        if kind == "tensor":
+            tensor_keys[markers[id(v)]] = key
+        else:
+            object_keys[key] = _marker_fqns(v)
+        return v
+
+    walk(root, visit)
+    return tensor_keys, object_keys
+
+
+class _Marker:
+    def __init__(self, fqn: str) -> None:
+        self.fqn = fqn
+
+
+def _marker_fqns(v: Any) -> List[str]:
+    if isinstance(v, _Marker):
+        return [v.fqn]
+    if isinstance(v, dict):
+        return [f for x in v.values() for f in _marker_fqns(x)]
+    if isinstance(v, (list, tuple)):
+        return [f for x in v for f in _marker_fqns(x)]
+    return []
+
+
+def _listify(node: Any) -> Any:
+    """Dicts whose keys are exactly the ints 0..n-1 were lists (DCP paths use ints for list items)."""
+    if not isinstance(node, dict):
+        return node
+    items = {k: _listify(v) for k, v in node.items()}
+    if items and all(isinstance(k, int) for k in items) and sorted(items) == list(range(len(items))):
+        return [items[i] for i in range(len(items))]
+    return items
+
+
+def _fill(v: Any, values: Dict[str, Any]) -> Any:
+    if isinstance(v, _Marker):
+        return values[v.fqn]
+    if isinstance(v, dict):
+        return {k: _fill(x, values) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_fill(x, values) for x in v]
+    return v
+
+
+def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, block_size: int = DEFAULT_BLOCK_SIZE,
+               unsupported_objects: str = "error", progress: Optional[ProgressFn] = None) -> Manifest:
+    """Convert the DCP checkpoint directory ``src`` into a nostall checkpoint at ``dst``.
+
+    Every DCP chunk becomes one piece (the tensors stay sharded as saved), so
+    the nostall checkpoint loads on any world size. Chunks are read and
+    written one at a time: memory holds one chunk (DCP stores each chunk as
+    one ``torch.save`` record, which must be read whole), not the checkpoint.
+
+    Non-tensor items are read with ``torch.load(weights_only=True)`` and
+    must be JSON values; ``unsupported_objects="skip"`` leaves out the ones
+    that are not (logged), ``"error"`` (default) refuses the import.
+
+    The DCP ``.metadata`` file itself is a pickle, read by torch's
+    FileSystemReader: import only checkpoints you trust.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if unsupported_objects not in ("error", "skip"):
+        raise ValueError("unsupported_objects must be 'error' or 'skip'")
+    src = os.fspath(src)
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise CheckpointNotFoundError(f"{src} is not a DCP checkpoint (no .metadata file)")
+    reader = FileSystemReader(src)
+    try:
+        md = reader.read_metadata()
+        reader.set_up_storage_reader(md, True)
+    except Exception as e:
+        raise CheckpointCorruptError(f"{src}: cannot read the DCP metadata: {type(e).__name__}: {e}") from None
+    sd_md = md.state_dict_metadata
+    tensor_fqns = sorted(f for f, x in sd_md.items() if isinstance(x, TensorStorageMetadata))
+    byte_fqns = sorted(f for f, x in sd_md.items() if isinstance(x, BytesStorageMetadata))
+    tensor_keys, object_keys = _nostall_keys(_paths(md), tensor_fqns)
+    planner = _ChunkPlanner()
+
+    def read_chunk(fqn: str, index: int, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor:
+        sizes = tuple(int(s) for s in chunk.sizes)
+        offsets = torch.Size(chunk.offsets)
+        buf = torch.empty(sizes, dtype=dtype)
+        planner.targets = {(fqn, tuple(offsets)): buf}
+        zeros = torch.Size((0,) * len(sizes))
+        item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets), dest_offsets=zeros,
+                        storage_index=MetadataIndex(fqn, offsets, index), storage_offsets=zeros,
+                        lengths=torch.Size(sizes))
+        try:
+            reader.read_data(LoadPlan([item]), planner).wait()
+        except Exception as e:
+            raise CheckpointCorruptError(f"{src}: reading {fqn!r} chunk at {list(offsets)} failed: "
+                                         f"{type(e).__name__}: {e}") from None
+        planner.targets = {}
+        return buf
+
+    # non-tensor values first (small): they must be JSON
+    values: Dict[str, Any] = {}
+    for i, fqn in enumerate(byte_fqns):
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=torch.Size(()),
+                        storage_index=MetadataIndex(fqn, None, i), storage_offsets=torch.Size(()),
+                        lengths=torch.Size(()))
+        try:
+            reader.read_data(LoadPlan([item]), planner).wait()
+            v = planner.values.pop(fqn)
+            check_json(v, fqn)
+            values[fqn] = to_json(v)
+        except Exception as e:
+            msg = f"{src}: value {fqn!r} is not a JSON value that loads with weights_only=True ({type(e).__name__}: {e})"
+            if unsupported_objects == "error":
+                raise CheckpointLoadError(msg + "; pass unsupported_objects='skip' (--skip-unsupported) to leave it out") from None
+            log.warning("%s; skipped", msg)
+    objects: Dict[str, Any] = {}
+    for key, fqns in object_keys.items():
+        if all(f in values for f in fqns):
+            objects[key] = _fill(_structure_of(key, fqns, md), values)
+
+    tensors: List[TensorSource] = []
+    for fqn in tensor_fqns:
+        tmd = sd_md[fqn]
+        code = dtype_code(tmd.properties.dtype)
+        if code is None:
+            raise CheckpointSaveError(f"{src}: tensor {fqn!r} has dtype {tmd.properties.dtype}, which nostall cannot store")
+        dtype = tmd.properties.dtype
+        pieces = []
+        for idx, ch in enumerate(tmd.chunks):
+            def produce(fqn: str = fqn, idx: int = idx, ch: ChunkStorageMetadata = ch, dtype: torch.dtype = dtype) -> torch.Tensor:
+                return read_chunk(fqn, idx, ch, dtype)
+
+            pieces.append(PieceSource(tuple(int(x) for x in ch.offsets), tuple(int(x) for x in ch.sizes), produce))
+        tensors.append(TensorSource(tensor_keys[fqn], code, tuple(int(x) for x in tmd.size), pieces))
+    total = sum(numel(p.shape) * torch_dtype(t.dtype).itemsize for t in tensors for p in t.pieces)
+    prog = Progress(f"import {src} -> {dst}", total, progress)
+    manifest = write_checkpoint(os.fspath(dst), tensors, objects, block_size=block_size, progress=prog)
+    prog.finish()
+    log.info("imported %d tensor(s) and %d value(s) from DCP checkpoint %s into %s", len(tensors), len(objects), src, dst)
+    return manifest
+
+
+def _structure_of(key: str, fqns: List[str], md: Metadata) -> Any:
+    """The nested container (with markers for its leaves) of the JSON object ``key``."""
+    paths = _paths(md)
+    prefix = tuple(split_key(key)) if key else ()
+    root: Dict[Any, Any] = {}
+    for f in fqns:
+        path = paths[f]
+        rel = path[len(prefix):]
+        if not rel:
+            return _Marker(f)
+        node = root
+        for p in rel[:-1]:
+            node = node.setdefault(p, {})
+        node[rel[-1]] = _Marker(f)
+    return _listify(root)

@@ -1,0 +1,435 @@
+"""Export a nostall checkpoint to consolidated files other tools read.
+
+* ``to="safetensors"``: full (unsharded) tensors in safetensors files of at
+  most ``max_shard_size`` bytes each (a single larger tensor gets a file of its
+  own), named like Hugging Face's (``model.safetensors``, or
+  ``model-00001-of-00003.safetensors`` ... with ``model.safetensors.index.json``);
+* ``to="torch"``: one file that ``torch.load(path, weights_only=True)`` reads
+  as a flat ``{name: tensor}`` dict.
+
+Memory stays under ``memory_limit``: a tensor is assembled whole when it fits,
+otherwise it is written region by region. Both formats store a tensor as raw
+C-contiguous bytes at a known offset, so any tensor is streamed as a sequence
+of row blocks (slabs of the leading dimensions), each read from whichever
+saved pieces cover it -- whatever the saved sharding -- and written in place.
+Checksums are verified on every byte read. JSON values and per-rank values are
+not exported (neither format has a place for them).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .._dtypes import dtype_code, torch_dtype
+from .._tensorbuf import byte_view
+from ..errors import CheckpointLoadError, CheckpointSaveError
+from ..format import FileEntry, TensorRecord, layout_file
+from ..model import numel
+from ._common import Progress, ProgressFn, _Source, split_key
+
+log = logging.getLogger("nostall.interop")
+
+__all__ = ["export", "ExportReport", "select_keys", "DEFAULT_MEMORY_LIMIT", "DEFAULT_MAX_SHARD_SIZE"]
+
+DEFAULT_MEMORY_LIMIT = 1 << 30
+DEFAULT_MAX_SHARD_SIZE = 5 << 30
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+TORCH_NAME = "model.pt"
+
+Shape = Tuple[int, ...]
+_DTYPES = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+
+
+@dataclass
+class ExportReport:
+    """What :func:`export` wrote."""
+
+    files: List[str]
+    tensors: int
+    bytes: int
+    names: Dict[str, str] = field(default_factory=dict)  # output name -> checkpoint key
+    peak_buffer_bytes: int = 0  # the most buffer memory held at once (estimate, see export())
+    memory_limit: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes,
+                "peak_buffer_bytes": self.peak_buffer_bytes, "memory_limit": self.memory_limit}
+
+
+def select_keys(keys: Sequence[str], patterns: Optional[Sequence[str]]) -> List[str]:
+    """The keys matching any pattern: a key prefix at a component boundary
+    (``model`` selects ``model/...``) or a glob (``model/*.weight``)."""
+    if not patterns:
+        return list(keys)
+    out = []
+    for k in keys:
+        for p in patterns:
+            pre = p.rstrip("/")
+            if k == pre or k.startswith(pre + "/") or fnmatch.fnmatchcase(k, p):
+                out.append(k)
+                break
+    return out
+
+
+def _output_name(key: str, strip_prefix: Optional[str], sep: str) -> str:
+    parts = split_key(key)
+    if strip_prefix:
+        pre = split_key(strip_prefix.strip("/"))
+        if parts[: len(pre)] == pre and len(parts) > len(pre):
+            parts = parts[len(pre):]
+    return sep.join(parts)
+
+
+def _out_dtype(stored: torch.dtype, want: Optional[Union[str, torch.dtype]]) -> torch.dtype:
+    if want is None or not stored.is_floating_point:
+        return stored  # casts apply to floating-point tensors only
+    if isinstance(want, torch.dtype):
+        return want
+    try:
+        return _DTYPES[want.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {want!r}; one of {sorted(_DTYPES)}") from None
+
+
+def _slabs(shape: Shape, max_elems: int) -> Iterator[Tuple[Shape, Shape]]:
+    """Boxes that tile ``shape`` in C order, each contiguous in memory and of at most
+    ``max_elems`` elements (whole rows when a row fits, else recursively inside a row)."""
+    if numel(shape) == 0:
+        return
+    if not shape:
+        yield (), ()
+        return
+    inner = numel(shape[1:])
+    if inner <= max_elems:
+        rows = max(1, max_elems // inner)
+        for a in range(0, shape[0], rows):
+            yield (a,) + (0,) * (len(shape) - 1), (min(rows, shape[0] - a),) + tuple(shape[1:])
+        return
+    for a in range(shape[0]):
+        for off, shp in _slabs(tuple(shape[1:]), max_elems):
+            yield (a,) + off, (1,) + shp
+
+
+@dataclass
+class _Item:
+    name: str
+    key: str
+    rec: TensorRecord
+    src_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.rec.shape) * self.out_dtype.itemsize
+
+
+class _Streamer:
+    """Reads a tensor slab by slab within a memory budget, and writes each slab at its file offset."""
+
+    def __init__(self, src: _Source, memory_limit: int, progress: Progress) -> None:
+        self.src = src
+        self.limit = memory_limit
+        self.progress = progress
+        self.peak = 0
+        # the loader may read a partial piece through a buffer of the region widened to
+        # checksum blocks: up to one block on each side
+        self.overhead = 2 * src.manifest.block_size
+
+    def _cost(self, item: _Item, n: int) -> int:
+        """Bytes held while a slab of ``n`` elements is read and written: the slab, the
+        loader's read buffer (at most the widened region, never more than a whole piece)
+        and the cast copy."""
+        si = item.src_dtype.itemsize
+        read_buf = min(max((p.nbytes for p in item.rec.pieces), default=0), n * si + self.overhead)
+        cast = n * item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
+        return n * si + read_buf + cast
+
+    def slab_elems(self, item: _Item) -> int:
+        """The most elements one slab of ``item`` may hold within the limit."""
+        si = item.src_dtype.itemsize
+        so = item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
+        biggest_piece = max((p.nbytes for p in item.rec.pieces), default=0)
+        candidates = [(self.limit - self.overhead) // (2 * si + so),  # read buffer bounded by the region
+                      (self.limit - biggest_piece) // (si + so)]  # read buffer bounded by a whole piece
+        n = max(candidates)
+        if n < 1 and numel(item.rec.shape) > 0:
+            need = min(self._cost(item, 1), self.overhead + 2 * si + so)
+            raise CheckpointLoadError(
+                f"memory limit {self.limit} bytes is too small to read key {item.key!r}: a read may need up to two "
+                f"of the checkpoint's {self.src.manifest.block_size}-byte checksum blocks besides the data; allow "
+                f"at least {need} bytes"
+            )
+        return max(n, 1)
+
+    def write(self, item: _Item, write_at: Callable[[int, memoryview], None]) -> None:
+        """Stream ``item``; ``write_at(byte offset within the tensor, bytes)`` stores each slab."""
+        shape = tuple(item.rec.shape)
+        max_elems = self.slab_elems(item)
+        strides = [1] * len(shape)
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        so = item.out_dtype.itemsize
+        for off, shp in _slabs(shape, max_elems):
+            n = numel(shp)
+            buf = torch.empty(shp, dtype=item.src_dtype)
+            self.src.read(item.key, off, buf)
+            cast = buf if item.out_dtype == item.src_dtype else buf.to(item.out_dtype)
+            self.peak = max(self.peak, self._cost(item, n))
+            start = sum(o * s for o, s in zip(off, strides)) * so
+            write_at(start, byte_view(cast))
+            self.progress.advance(n * so)
+            del buf, cast
+
+
+def _file_writer(path: str) -> Any:
+    return open(path, "r+b" if os.path.exists(path) else "w+b")
+
+
+def export(
+    src: str,
+    dst: str,
+    *,
+    to: str = "safetensors",
+    keys: Optional[Sequence[str]] = None,
+    strip_prefix: Optional[str] = None,
+    separator: str = ".",
+    dtype: Optional[Union[str, torch.dtype]] = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    memory_limit: int = DEFAULT_MEMORY_LIMIT,
+    overwrite: bool = False,
+    verify: bool = True,
+    storage_options: Optional[Dict[str, Any]] = None,
+    progress: Optional[ProgressFn] = None,
+) -> ExportReport:
+    """Export the tensors of the checkpoint at ``src`` to ``dst``.
+
+    Args:
+        src: a nostall checkpoint directory (or object-storage URL).
+        dst: ``to="safetensors"``: a directory (created); ``to="torch"``: a file path.
+        keys: keys to export, as key prefixes (``"model"``) or globs; default all.
+        strip_prefix: leading key components removed from the output names
+            (``"model"`` turns ``model/layer.weight`` into ``layer.weight``).
+        separator: joins the remaining key components in output names (``/`` -> ``.``).
+        dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"``...).
+        max_shard_size: largest safetensors file, in bytes.
+        memory_limit: bytes of buffers the export may hold at once. A tensor
+            bigger than that is written region by region.
+        progress: ``progress(done_bytes, total_bytes)`` after each region.
+
+    Raises:
+        CheckpointLoadError: a key is missing, the limit is below what one
+            read needs, or a checksum fails (CheckpointCorruptError).
+        CheckpointSaveError: ``dst`` exists (without ``overwrite``) or cannot be written.
+    """
+    if to not in ("safetensors", "torch"):
+        raise ValueError(f"to must be 'safetensors' or 'torch', got {to!r}")
+    if memory_limit <= 0 or max_shard_size <= 0:
+        raise ValueError("memory_limit and max_shard_size must be positive")
+    source = _Source(src, storage_options=storage_options, verify=verify)
+    try:
+        m = source.manifest
+        chosen = select_keys(sorted(m.tensors), keys)
+        if keys and not chosen:
+            raise CheckpointLoadError(f"no tensor of {src} matches {list(keys)}")
+        items: List[_Item] = []
+        seen: Dict[str, str] = {}
+        for k in chosen:
+            rec = m.tensors[k]
+            name = _output_name(k, strip_prefix, separator)
+            if name in seen:
+                raise CheckpointSaveError(f"keys {seen[name]!r} and {k!r} both export as {name!r}")
+            seen[name] = k
+            sd = torch_dtype(rec.dtype)
+            items.append(_Item(name, k, rec, sd, _out_dtype(sd, dtype)))
+        total = sum(i.nbytes for i in items)
+        prog = Progress(f"export {src} -> {dst}", total, progress)
+        streamer = _Streamer(source, memory_limit, prog)
+        for it in items:
+            streamer.slab_elems(it)  # fail before writing anything if the limit is too small
+        if to == "safetensors":
+            files = _export_safetensors(items, dst, max_shard_size, overwrite, streamer)
+        else:
+            files = [_export_torch(items, dst, overwrite, streamer)]
+        prog.finish()
+        return ExportReport(files=files, tensors=len(items), bytes=total, names={i.name: i.key for i in items},
+                            peak_buffer_bytes=streamer.peak, memory_limit=memory_limit)
+    finally:
+        source.close()
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _shards(items: Sequence[_Item], max_size: int) -> List[List[_Item]]:
+    groups: List[List[_Item]] = [[]]
+    size = 0
+    for it in items:
+        if groups[-1] and size + it.nbytes > max_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(it)
+        size += it.nbytes
+    return groups if groups[0] else []
+
+
+def _prepare_dir(dst: str, overwrite: bool) -> None:
+    if os.path.exists(dst):
+        if not os.path.isdir(dst):
+            raise CheckpointSaveError(f"{dst} exists and is not a directory")
+        if os.listdir(dst) and not overwrite:
+            raise CheckpointSaveError(f"{dst} is not empty; pass overwrite=True (--overwrite) to write into it")
+    os.makedirs(dst, exist_ok=True)
+
+
+def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: bool, streamer: _Streamer) -> List[str]:
+    _prepare_dir(dst, overwrite)
+    groups = _shards(items, max_size)
+    n = len(groups)
+    names = [SINGLE_NAME] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    weight_map: Dict[str, str] = {}
+    written: List[str] = []
+    for fname, group in zip(names, groups or [[]]):
+        entries = []
+        for it in group:
+            code = dtype_code(it.out_dtype)
+            if code is None:
+                raise CheckpointSaveError(f"key {it.key!r}: dtype {it.out_dtype} has no safetensors code")
+            entries.append(FileEntry(it.name, code, tuple(it.rec.shape), it.nbytes))
+        header, where, size = layout_file(entries, {"format": "pt"})
+        path = os.path.join(dst, fname)
+        tmp = path + ".partial"
+        with open(tmp, "w+b") as f:
+            f.write(header)
+            f.truncate(size)
+            for it in sorted(group, key=lambda i: where[i.name][0]):
+                base = where[it.name][0]
+
+                def write_at(pos: int, data: memoryview, base: int = base) -> None:
+                    f.seek(base + pos)
+                    f.write(data)
+
+                streamer.write(it, write_at)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        written.append(path)
+        for it in group:
+            weight_map[it.name] = fname
+    if n > 1:
+        index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        ipath = os.path.join(dst, INDEX_NAME)
+        with open(ipath, "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+        written.append(ipath)
+    log.info("exported %d tensor(s) to %d safetensors file(s) in %s", len(items), n, dst)
+    return written
+
+
+# --------------------------------------------------------------------------- torch.save
+
+
+def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Streamer) -> str:
+    """One torch.save file written without holding the tensors: ``torch.save`` lays the
+    file out from shapes only (``torch.serialization.skip_data``: storages are
+    allocated but never touched, so they take address space, not memory), then each
+    tensor's bytes are streamed to its record, and the zip CRCs are filled in."""
+    if os.path.exists(dst) and not overwrite:
+        raise CheckpointSaveError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = dst + ".partial"
+    layout = {it.name: torch.empty(tuple(it.rec.shape), dtype=it.out_dtype) for it in items}
+    with torch.serialization.skip_data():
+        torch.save(layout, tmp)
+    del layout
+    reader = torch._C.PyTorchFileReader(tmp)
+    offsets = {}
+    for i, it in enumerate(items):  # storages are numbered in pickling order: the dict's order
+        offsets[it.name] = (f"data/{i}", reader.get_record_offset(f"data/{i}"))
+    del reader
+    crcs: Dict[str, int] = {}
+    try:
+        with open(tmp, "r+b") as f:
+            for it in items:
+                record, base = offsets[it.name]
+                running = [0, 0]  # crc, next expected position (slabs arrive in order)
+
+                def write_at(pos: int, data: memoryview, base: int = base, running: List[int] = running) -> None:
+                    if pos != running[1]:
+                        raise CheckpointSaveError(f"{it.key!r}: out-of-order write at {pos}")
+                    f.seek(base + pos)
+                    f.write(data)
+                    running[0] = zlib.crc32(data, running[0])
+                    running[1] = pos + len(data)
+
+                streamer.write(it, write_at)
+                if running[1] != it.nbytes:
+                    raise CheckpointSaveError(f"{it.key!r}: wrote {running[1]} of {it.nbytes} bytes")
+                crcs[record] = running[0]
+            f.flush()
+            _patch_zip_crcs(f, crcs)
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    log.info("exported %d tensor(s) to %s", len(items), dst)
+    return dst
+
+
+def _patch_zip_crcs(f: Any, crcs: Dict[str, int]) -> None:
+    """Set the CRC-32 of the given records (names without the archive folder) in the zip's
+    central directory and data descriptors, so that any zip reader accepts the file."""
+    import zipfile
+
+    f.seek(0)
+    z = zipfile.ZipFile(f)
+    infos = {i.filename.split("/", 1)[-1]: i for i in z.infolist()}
+    start_dir = z.start_dir
+    count = len(z.infolist())
+    z.close()
+    pos = start_dir
+    for _ in range(count):
+        f.seek(pos)
+        head = f.read(46)
+        if head[:4] != b"PK\x01\x02":
+            raise CheckpointSaveError("unexpected zip central directory layout")
+        n, m, k = struct.unpack("<HHH", head[28:34])
+        name = f.read(n).decode("utf-8").split("/", 1)[-1]
+        if name in crcs:
+            f.seek(pos + 16)
+            f.write(struct.pack("<I", crcs[name]))
+        pos += 46 + n + m + k
+    for name, value in crcs.items():
+        info = infos[name]
+        f.seek(info.header_offset)
+        local = f.read(30)
+        n, m = struct.unpack("<HH", local[26:30])
+        data_end = info.header_offset + 30 + n + m + info.compress_size
+        if info.flag_bits & 0x08:  # CRC in the data descriptor after the data
+            f.seek(data_end)
+            sig = f.read(4)
+            f.seek(data_end + 4 if sig == b"PK\x07\x08" else data_end)
+        else:
+            f.seek(info.header_offset + 14)
+        f.write(struct.pack("<I", value))
