@@ -16,7 +16,7 @@ S3-compatible server (moto) on the bridge that both hosts reach.
   surviving host's processes must all exit within a bound, the latest
   checkpoint never goes back and always verifies, every next job resumes
   from it, and at the end the surviving host alone resumes from it.
-  ``NOSTALL_HOSTKILL_TRIALS`` sets the number of trials (CI: 3),
+  ``NOSTALL_HOSTKILL_TRIALS`` sets the number of trials (CI: 2),
   ``NOSTALL_HOSTKILL_VICTIMS`` which hosts die in turn (default ``1,0``).
 * ``test_hosts_are_...``: the harness itself; ``test_shared_fs_without_flock_...``:
   a shared filesystem without lock support.
