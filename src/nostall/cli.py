@@ -307,6 +307,9 @@ def _bench(rest: List[str]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
+        return _bench(args_in[1:])
     p = argparse.ArgumentParser(prog="nostall", description="Inspect, verify, list, convert and benchmark nostall checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("inspect", help="show what a checkpoint holds")
