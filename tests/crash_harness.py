@@ -363,7 +363,12 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
                 if code == 1:
                     with open(os.path.join(out_dir, f"error{r}.txt")) as f:
                         trial.problems.append(f"rank {r} failed unexpectedly: {f.read()[-1500:]}")
-            time.sleep(0.3)  # a writer's watchdog looks every 0.1 s
+            # a writer's watchdog looks every 0.1 s; on object storage a writer has been seen to take
+            # longer than 0.3 s to go (see the closing note of 2026-12-01): allow 3 s, then it is a problem
+            until = time.monotonic() + 3.0
+            while time.monotonic() < until and any(
+                    v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
+                time.sleep(0.05)
             for r, v in _read_pids(out_dir, 2).items():
                 if v.get("writer") and _alive(v["writer"]):
                     trial.problems.append(f"writer {v['writer']} of rank {r} outlived its trainer")
