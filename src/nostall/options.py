@@ -1,0 +1,104 @@
+"""Options: one validated value shared by the manager, ``Strategy``, the saver and the interop writers.
+
+Every rule about what a valid option is lives here, once (``block_size`` among
+them), so that a bad value is refused with the same message wherever it
+enters. This module does not import torch.
+
+Example::
+
+    >>> from nostall.options import Options
+    >>> Options(keep_last=3, async_save=True).keep_last
+    3
+    >>> Options(block_size=1000)
+    Traceback (most recent call last):
+    ...
+    ValueError: block_size must be a power of two between 8 and 1073741824 bytes, got 1000
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, Optional
+
+from .format import DEFAULT_BLOCK_SIZE
+
+__all__ = ["Options", "check_block_size"]
+
+MIN_BLOCK_SIZE = 8
+MAX_BLOCK_SIZE = 1 << 30
+
+
+def check_block_size(value: Any) -> int:
+    """``value`` as a checksum block size, or ``ValueError`` saying the rule.
+
+    A power of two from 8 bytes to 1 GiB: it divides every read window and
+    every page-aligned staging chunk, so a checkpoint written with it loads
+    and verifies everywhere (4 MiB by default; small values only make sense
+    for tests of partial reads).
+    """
+    if (isinstance(value, bool) or not isinstance(value, int) or value < MIN_BLOCK_SIZE
+            or value > MAX_BLOCK_SIZE or value & (value - 1)):
+        raise ValueError(f"block_size must be a power of two between {MIN_BLOCK_SIZE} and {MAX_BLOCK_SIZE} "
+                         f"bytes, got {value!r}")
+    return value
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int of at least {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a manager (or ``Strategy``, or an interop writer) saves; validated once, on creation.
+
+    Args:
+        keep_last: keep only this many newest committed checkpoints (None: all).
+        async_save: write in a background process per rank.
+        timeout: bound, in seconds, of every wait (other ranks, the writer,
+            object storage).
+        errors: ``"raise"`` or ``"log"``: what a failed background save does.
+        block_size: checksum block size in bytes (see :func:`check_block_size`).
+        storage_options: fsspec options for an object-storage root.
+        local_staging_dir: object storage: where each rank stages its files
+            before uploading them.
+        fallback_sync: object storage: save synchronously.
+        overlap: async saves copy into host memory while training goes on.
+        staging_budget_bytes: the most host memory the staging area may take
+            (rounded down to whole pages).
+    """
+
+    keep_last: Optional[int] = None
+    async_save: bool = False
+    timeout: float = 600.0
+    errors: str = "raise"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    storage_options: Optional[Dict[str, Any]] = field(default=None, compare=False)
+    local_staging_dir: Optional[str] = None
+    fallback_sync: bool = False
+    overlap: bool = False
+    staging_budget_bytes: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.keep_last is not None:
+            _positive_int("keep_last", self.keep_last)
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.errors not in ("raise", "log"):
+            raise ValueError(f"errors must be 'raise' or 'log', got {self.errors!r}")
+        check_block_size(self.block_size)
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ValueError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
+        if self.staging_budget_bytes is not None:
+            _positive_int("staging_budget_bytes", self.staging_budget_bytes, 4 * self.block_size)
+            # the area is mapped (and resident) in whole pages: a budget is a number of them
+            object.__setattr__(self, "staging_budget_bytes",
+                               self.staging_budget_bytes - self.staging_budget_bytes % mmap.PAGESIZE)
+        object.__setattr__(self, "timeout", float(self.timeout))
+        for name in ("async_save", "fallback_sync", "overlap"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    def but(self, **changes: Any) -> "Options":
+        """A copy with ``changes`` applied (and validated)."""
+        return replace(self, **changes)
