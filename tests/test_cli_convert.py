@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import nostall
@@ -120,3 +121,197 @@ def test_console_entry_point(tmp_path):
     assert json.loads(proc.stdout)["tensors"] == 1
     assert torch.equal(torch.load(str(tmp_path / "o.pt"), weights_only=True)["model.w"],
                        torch.arange(12.0).reshape(3, 4))
+
+
+# --------------------------------------------------------------------------- --block-size
+
+
+def test_convert_block_size_must_pass_the_one_rule(tmp_path, capsys):
+    """--block-size 1000 was accepted (the manifest only asks for a multiple of 8) and gave a checkpoint
+    whose pieces over 64 MiB did not verify: the loader's read windows are not a multiple of 1000.
+    The rule (nostall.options.check_block_size) refuses it as a usage error; an accepted value converts
+    a piece bigger than a read window into a checkpoint that loads and verifies."""
+    import torch.distributed.checkpoint as dcp
+
+    from nostall.options import check_block_size
+
+    src = str(tmp_path / "dcp")
+    w = torch.arange((64 << 20) // 4 + 3 * 1024, dtype=torch.float32)  # 64 MiB + 12 KiB: over one read window
+    dcp.save({"w": w, "step": 3}, checkpoint_id=src, no_dist=True)
+    for bad in ("1000", "0", "4", "12288", "2GiB", "-4096", "lots"):
+        try:
+            cli_main(["convert", "--from", "dcp", src, str(tmp_path / f"bad{bad}"), "--block-size", bad])
+        except SystemExit as e:
+            assert e.code == 2, bad
+        else:
+            raise AssertionError(f"--block-size {bad} was accepted")
+        err = capsys.readouterr().err
+        assert "argument --block-size:" in err, err
+        if bad not in ("-4096", "lots"):  # those are not sizes at all
+            with pytest.raises(ValueError) as rule:
+                check_block_size(2 << 30 if bad == "2GiB" else int(bad))
+            assert str(rule.value).split(", got")[0] in err, err  # the rule's own words
+        assert not os.path.exists(tmp_path / f"bad{bad}")
+    # the API refuses it too, before writing anything
+    from nostall.interop.dcp import import_dcp
+
+    with pytest.raises(ValueError, match="power of two"):
+        import_dcp(src, str(tmp_path / "api"), block_size=1000)
+    assert not os.path.exists(tmp_path / "api")
+
+    ns = str(tmp_path / "ns")
+    assert cli_main(["convert", "--from", "dcp", src, ns, "--block-size", "4KiB", "--json"]) == 0
+    assert _json(capsys)["tensors"] == 1
+    assert json.load(open(os.path.join(ns, "manifest.json")))["checksum"]["block_size"] == 4096
+    got = torch.zeros_like(w)
+    assert nostall.load({"w": got, "step": None}, ns) == {"w": got, "step": 3}
+    assert torch.equal(got, w)
+    del got
+    assert cli_main(["verify", ns]) == 0, capsys.readouterr()
+    proc = subprocess.run([sys.executable, "-m", "nostall", "verify", "--json", ns], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["ok"] is True, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- a failed export cleans up after itself
+
+
+def _three_tensors(root: str) -> dict:
+    state = {"a": torch.arange(4096.0), "b": torch.arange(4096.0) * 2, "c": torch.arange(4096.0) * 3}
+    nostall.save(state, root, block_size=4096)
+    return state
+
+
+def _corrupt(root: str, key: str) -> None:
+    """Flip one byte in the middle of ``key``'s bytes in its data file."""
+    from nostall.loading import read_manifest
+
+    p = read_manifest(root).tensors[key].pieces[0]
+    path = os.path.join(root, p.file)
+    data = bytearray(open(path, "rb").read())
+    data[(p.start + p.end) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _tree(path) -> dict:
+    """Every file under ``path`` (relative name -> bytes), directories included as None."""
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(dirpath, d), path)] = None
+        for f in files:
+            full = os.path.join(dirpath, f)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_failed_export_removes_exactly_what_it_created_and_a_rerun_works(tmp_path, capsys, to):
+    """A source corrupted in its last tensor fails the export after the first files were written
+    (safetensors: one shard per tensor). The export's own files -- temporaries, finished shards,
+    directories it made -- are gone; everything that was there before is untouched; a rerun works."""
+    ck = str(tmp_path / "ck")
+    state = _three_tensors(ck)
+    _corrupt(ck, "c")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("not the export's")
+    dst = str(out / "new" / "deeper" / ("hf" if to == "safetensors" else "model.pt"))
+    opts = ["--to", to, "--max-shard-size", "16KiB", "--memory-limit", "64KiB"]
+    before = _tree(out)
+    assert cli_main(["convert", ck, dst] + opts) == 1
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and "'c'" in err, err
+    assert _tree(out) == before  # not a byte more, not a byte less
+
+    # into an existing empty directory: it stays, empty
+    (out / "empty").mkdir()
+    dst2 = str(out / "empty" / ("" if to == "safetensors" else "model.pt"))
+    assert cli_main(["convert", ck, dst2] + opts) == 1
+    capsys.readouterr()
+    assert os.listdir(out / "empty") == []
+
+    # --overwrite into a directory holding an older export and other files: all of them untouched
+    if to == "safetensors":
+        (out / "old").mkdir()
+        (out / "old" / "model-00001-of-00003.safetensors").write_bytes(b"older export")
+        (out / "old" / "notes.md").write_text("mine")
+        dst3 = str(out / "old")
+    else:
+        (out / "old.pt").write_bytes(b"older export")
+        dst3 = str(out / "old.pt")
+    before = _tree(out)
+    assert cli_main(["convert", ck, dst3, "--overwrite"] + opts) == 1
+    capsys.readouterr()
+    assert _tree(out) == before
+
+    # the source repaired: the same command now works, into the same destinations
+    _three_tensors(ck + "2")
+    os.replace(os.path.join(ck + "2", "rank0.safetensors"), os.path.join(ck, "rank0.safetensors"))
+    assert cli_main(["convert", ck, dst] + opts) == 0
+    assert cli_main(["convert", ck, dst2] + opts) == 0
+    capsys.readouterr()
+    if to == "safetensors":
+        from safetensors.torch import load_file
+
+        names = sorted(os.listdir(dst))
+        assert names == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                         "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+        got = {}
+        for n in names[:3]:
+            got.update(load_file(os.path.join(dst, n)))
+        assert not [n for n in os.listdir(dst2) if n.endswith(".partial")]
+    else:
+        got = torch.load(dst, weights_only=True)
+        assert sorted(os.listdir(os.path.dirname(dst))) == ["model.pt"]
+    assert sorted(got) == ["a", "b", "c"] and all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_export_interrupted_after_its_first_file_leaves_nothing(tmp_path, monkeypatch):
+    """The writer itself fails (here: raises after the first shard is complete, as a full disk or a
+    KeyboardInterrupt would): the finished shard and the temporary one are both removed."""
+    from nostall.errors import CheckpointSaveError
+    from nostall.interop import export as export_mod
+
+    ck = str(tmp_path / "ck")
+    _three_tensors(ck)
+    real_write = export_mod._Streamer.write
+    calls = []
+
+    def write(self, item, write_at):
+        calls.append(item.key)
+        if len(calls) == 2:
+            real_write(self, item, lambda pos, data: write_at(pos, data[: len(data) // 2]))
+            raise KeyboardInterrupt
+        real_write(self, item, write_at)
+
+    monkeypatch.setattr(export_mod._Streamer, "write", write)
+    dst = tmp_path / "hf"
+    with pytest.raises(KeyboardInterrupt):
+        export_mod.export(ck, str(dst), max_shard_size=16 << 10)
+    assert calls == ["a", "b"] and not dst.exists()
+    monkeypatch.setattr(export_mod._Streamer, "write", real_write)
+    rep = export_mod.export(ck, str(dst), max_shard_size=16 << 10)
+    assert len(rep.files) == 4 and sorted(os.listdir(dst)) == sorted(os.path.basename(f) for f in rep.files)
+    with pytest.raises(CheckpointSaveError, match="not empty"):
+        export_mod.export(ck, str(dst), max_shard_size=16 << 10)
+
+
+def test_failed_dcp_to_torch_conversion_removes_the_directories_it_made(tmp_path, capsys, monkeypatch):
+    """DCP -> torch goes through a temporary checkpoint beside the destination; when the export fails,
+    that checkpoint and the parent directories the conversion made are gone."""
+    import torch.distributed.checkpoint as dcp
+
+    from nostall.interop import export as export_mod
+
+    src = str(tmp_path / "dcp")
+    dcp.save({"w": torch.arange(100.0)}, checkpoint_id=src, no_dist=True)
+
+    def fail(self, item, write_at):
+        raise OSError(28, "No space left on device (test)")
+
+    monkeypatch.setattr(export_mod._Streamer, "write", fail)
+    dst = tmp_path / "a" / "b" / "model.pt"
+    assert cli_main(["convert", "--from", "dcp", src, str(dst), "--to", "torch"]) == 1
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]

@@ -230,6 +230,18 @@ class _ProgressLine:
             sys.stderr.flush()
 
 
+def _block_size_arg(text: str) -> int:
+    """``--block-size``: a size (``65536``, ``64KiB``, ``4MiB``) that passes the one block-size
+    rule, :func:`nostall.options.check_block_size`; anything else is a usage error (exit 2)."""
+    from .interop._common import parse_size
+    from .options import check_block_size
+
+    try:
+        return check_block_size(parse_size(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from .interop._common import parse_size
 
@@ -248,6 +260,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return _ProgressLine(label) if show else None
 
     tmp: Optional[str] = None
+    made: Any = None  # the directories made for the temporary checkpoint: removed again on failure
+    done = False
     try:
         src = args.src
         if src_kind == "dcp":
@@ -256,8 +270,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if dst_kind == "nostall":
                 out = args.dst
             else:  # DCP -> nostall (next to the destination) -> export
+                from .interop.export import _Created
+
                 parent = os.path.dirname(os.path.abspath(args.dst))
-                os.makedirs(parent, exist_ok=True)
+                made = _Created()
+                made.makedirs(parent)
                 tmp = tempfile.mkdtemp(prefix=".nostall-convert-", dir=parent)
                 out = os.path.join(tmp, "ckpt")
             p = bar("import")
@@ -285,9 +302,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
                 if p is not None:
                     p.close()
             result.update(rep.to_json())
+        done = True
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if made is not None and not done:
+            made.undo()
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
@@ -345,7 +365,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     pc.add_argument("--dtype", default=None, help="cast floating-point tensors on export: bf16, fp16, fp32, fp64")
     pc.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     pc.add_argument("--memory-limit", default="1GB", help="buffer memory the export may hold (default 1GB)")
-    pc.add_argument("--block-size", type=int, default=4 << 20, help="checksum block size of an imported checkpoint")
+    pc.add_argument("--block-size", type=_block_size_arg, default=4 << 20,
+                    help="checksum block size of an imported checkpoint: a power of two from 4KiB to 1GiB "
+                         "(default 4MiB)")
     pc.add_argument("--skip-unsupported", action="store_true",
                     help="import: leave out DCP values that are not JSON (default: refuse)")
     pc.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")

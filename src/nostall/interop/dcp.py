@@ -349,9 +349,15 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
 
     The DCP ``.metadata`` file itself is a pickle, read by torch's
     FileSystemReader: import only checkpoints you trust.
+
+    ``block_size`` must pass :func:`nostall.options.check_block_size`
+    (ValueError otherwise, before anything is read or written).
     """
     from torch.distributed.checkpoint import FileSystemReader
 
+    from ..options import check_block_size
+
+    check_block_size(block_size)
     if unsupported_objects not in ("error", "skip"):
         raise ValueError("unsupported_objects must be 'error' or 'skip'")
     src = os.fspath(src)

@@ -14,6 +14,12 @@ of row blocks (slabs of the leading dimensions), each read from whichever
 saved pieces cover it -- whatever the saved sharding -- and written in place.
 Checksums are verified on every byte read. JSON values and per-rank values are
 not exported (neither format has a place for them).
+
+A failed export leaves the destination as it found it: every file is written
+under a temporary name of its own (``.<name>.<random>.partial``) and renamed
+into place only once all of them are complete, and on any failure the files
+and directories this export created are removed -- nothing else -- so a rerun
+works.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import fnmatch
 import json
 import logging
 import os
+import secrets
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -196,8 +203,67 @@ class _Streamer:
             del buf, cast
 
 
-def _file_writer(path: str) -> Any:
-    return open(path, "r+b" if os.path.exists(path) else "w+b")
+class _Created:
+    """What one export created: directories, temporary files, and final files that did not
+    exist before. ``undo()`` removes exactly those (a directory only when empty), nothing else."""
+
+    def __init__(self) -> None:
+        self.dirs: List[str] = []  # outermost first
+        self.temps: List[str] = []
+        self.finals: List[str] = []  # final paths that did not exist before the export
+
+    def makedirs(self, path: str) -> None:
+        missing = []
+        path = os.path.abspath(path)
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise CheckpointSaveError(f"{d} exists and is not a directory") from None
+                continue  # made by someone else meanwhile: not ours to remove
+            self.dirs.append(d)
+
+    def temp_for(self, final: str) -> str:
+        """A new empty file beside ``final``, under a name no one else uses (recorded)."""
+        folder, name = os.path.split(final)
+        while True:
+            tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.partial")
+            try:
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                continue
+            os.close(fd)
+            self.temps.append(tmp)
+            return tmp
+
+    def publish(self, tmp: str, final: str) -> None:
+        existed = os.path.lexists(final)
+        os.replace(tmp, final)
+        self.temps.remove(tmp)
+        if not existed:
+            self.finals.append(final)
+
+    def undo(self) -> None:
+        for path in self.temps + self.finals:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("could not remove %s after a failed export: %s", path, e)
+        for d in reversed(self.dirs):
+            try:
+                os.rmdir(d)  # only when empty: whatever someone else put there meanwhile stays
+            except OSError:
+                pass
+        self.temps, self.finals, self.dirs = [], [], []
 
 
 def export(
@@ -261,10 +327,15 @@ def export(
         streamer = _Streamer(source, memory_limit, prog)
         for it in items:
             streamer.slab_elems(it)  # fail before writing anything if the limit is too small
-        if to == "safetensors":
-            files = _export_safetensors(items, dst, max_shard_size, overwrite, streamer)
-        else:
-            files = [_export_torch(items, dst, overwrite, streamer)]
+        created = _Created()
+        try:
+            if to == "safetensors":
+                files = _export_safetensors(items, dst, max_shard_size, overwrite, streamer, created)
+            else:
+                files = [_export_torch(items, dst, overwrite, streamer, created)]
+        except BaseException:
+            created.undo()  # exactly what this export created, nothing else
+            raise
         prog.finish()
         return ExportReport(files=files, tensors=len(items), bytes=total, names={i.name: i.key for i in items},
                             peak_buffer_bytes=streamer.peak, memory_limit=memory_limit)
@@ -287,22 +358,25 @@ def _shards(items: Sequence[_Item], max_size: int) -> List[List[_Item]]:
     return groups if groups[0] else []
 
 
-def _prepare_dir(dst: str, overwrite: bool) -> None:
+def _prepare_dir(dst: str, overwrite: bool, created: _Created) -> None:
     if os.path.exists(dst):
         if not os.path.isdir(dst):
             raise CheckpointSaveError(f"{dst} exists and is not a directory")
         if os.listdir(dst) and not overwrite:
             raise CheckpointSaveError(f"{dst} is not empty; pass overwrite=True (--overwrite) to write into it")
-    os.makedirs(dst, exist_ok=True)
+    created.makedirs(dst)
 
 
-def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: bool, streamer: _Streamer) -> List[str]:
-    _prepare_dir(dst, overwrite)
+def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: bool, streamer: _Streamer,
+                        created: _Created) -> List[str]:
+    """Every file is written under a temporary name; all are renamed into place (the index
+    last) only once every one is complete."""
+    _prepare_dir(dst, overwrite, created)
     groups = _shards(items, max_size)
     n = len(groups)
     names = [SINGLE_NAME] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map: Dict[str, str] = {}
-    written: List[str] = []
+    ready: List[Tuple[str, str]] = []  # (temporary, final)
     for fname, group in zip(names, groups or [[]]):
         entries = []
         for it in group:
@@ -312,8 +386,8 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
             entries.append(FileEntry(it.name, code, tuple(it.rec.shape), it.nbytes))
         header, where, size = layout_file(entries, {"format": "pt"})
         path = os.path.join(dst, fname)
-        tmp = path + ".partial"
-        with open(tmp, "w+b") as f:
+        tmp = created.temp_for(path)
+        with open(tmp, "r+b") as f:
             f.write(header)
             f.truncate(size)
             for it in sorted(group, key=lambda i: where[i.name][0]):
@@ -326,18 +400,23 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
                 streamer.write(it, write_at)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        written.append(path)
+        ready.append((tmp, path))
         for it in group:
             weight_map[it.name] = fname
     if n > 1:
         index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
                  "weight_map": dict(sorted(weight_map.items()))}
         ipath = os.path.join(dst, INDEX_NAME)
-        with open(ipath, "w") as f:
+        tmp = created.temp_for(ipath)
+        with open(tmp, "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
             f.write("\n")
-        written.append(ipath)
+            f.flush()
+            os.fsync(f.fileno())
+        ready.append((tmp, ipath))
+    for tmp, path in ready:
+        created.publish(tmp, path)
+    written = [path for _, path in ready]
     log.info("exported %d tensor(s) to %d safetensors file(s) in %s", len(items), n, dst)
     return written
 
@@ -345,16 +424,18 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
 # --------------------------------------------------------------------------- torch.save
 
 
-def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Streamer) -> str:
+def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Streamer, created: _Created) -> str:
     """One torch.save file written without holding the tensors: ``torch.save`` lays the
     file out from shapes only (``torch.serialization.skip_data``: storages are
     allocated but never touched, so they take address space, not memory), then each
     tensor's bytes are streamed to its record, and the zip CRCs are filled in."""
+    if os.path.isdir(dst):
+        raise CheckpointSaveError(f"{dst} is a directory; --to torch writes one file")
     if os.path.exists(dst) and not overwrite:
         raise CheckpointSaveError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
-    parent = os.path.dirname(os.path.abspath(dst))
-    os.makedirs(parent, exist_ok=True)
-    tmp = dst + ".partial"
+    dst_abs = os.path.abspath(dst)
+    created.makedirs(os.path.dirname(dst_abs))
+    tmp = created.temp_for(dst_abs)
     layout = {it.name: torch.empty(tuple(it.rec.shape), dtype=it.out_dtype) for it in items}
     with torch.serialization.skip_data():
         torch.save(layout, tmp)
@@ -365,34 +446,27 @@ def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Stre
         offsets[it.name] = (f"data/{i}", reader.get_record_offset(f"data/{i}"))
     del reader
     crcs: Dict[str, int] = {}
-    try:
-        with open(tmp, "r+b") as f:
-            for it in items:
-                record, base = offsets[it.name]
-                running = [0, 0]  # crc, next expected position (slabs arrive in order)
+    with open(tmp, "r+b") as f:
+        for it in items:
+            record, base = offsets[it.name]
+            running = [0, 0]  # crc, next expected position (slabs arrive in order)
 
-                def write_at(pos: int, data: memoryview, base: int = base, running: List[int] = running) -> None:
-                    if pos != running[1]:
-                        raise CheckpointSaveError(f"{it.key!r}: out-of-order write at {pos}")
-                    f.seek(base + pos)
-                    f.write(data)
-                    running[0] = zlib.crc32(data, running[0])
-                    running[1] = pos + len(data)
+            def write_at(pos: int, data: memoryview, base: int = base, running: List[int] = running) -> None:
+                if pos != running[1]:
+                    raise CheckpointSaveError(f"{it.key!r}: out-of-order write at {pos}")
+                f.seek(base + pos)
+                f.write(data)
+                running[0] = zlib.crc32(data, running[0])
+                running[1] = pos + len(data)
 
-                streamer.write(it, write_at)
-                if running[1] != it.nbytes:
-                    raise CheckpointSaveError(f"{it.key!r}: wrote {running[1]} of {it.nbytes} bytes")
-                crcs[record] = running[0]
-            f.flush()
-            _patch_zip_crcs(f, crcs)
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            streamer.write(it, write_at)
+            if running[1] != it.nbytes:
+                raise CheckpointSaveError(f"{it.key!r}: wrote {running[1]} of {it.nbytes} bytes")
+            crcs[record] = running[0]
+        f.flush()
+        _patch_zip_crcs(f, crcs)
+        os.fsync(f.fileno())
+    created.publish(tmp, dst_abs)
     log.info("exported %d tensor(s) to %s", len(items), dst)
     return dst
 
