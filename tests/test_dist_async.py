@@ -84,7 +84,7 @@ def _train_while_writing(rank, world, root):
     import nostall
 
     with nostall.CheckpointManager(root, async_save=True) as mgr:
-        mgr._saver.test_writer_delay_s = 1.5
+        mgr._faults.writer_delay_s = 1.5
         state = _state(rank)
         expected = _template(rank)
         for k in ("w",):
@@ -123,7 +123,7 @@ def _kill_writer(rank, world, root, victim):
 
     with nostall.CheckpointManager(root, async_save=True, timeout=60) as mgr:
         mgr.save(1, _state(rank)).result()
-        mgr._saver.test_writer_delay_s = 3.0
+        mgr._faults.writer_delay_s = 3.0
         h = mgr.save(2, _state(rank, 2.0))
         pid = mgr.writer_pid
         if rank == victim:
@@ -142,7 +142,7 @@ def _kill_writer(rank, world, root, victim):
         restored = mgr.load(_template(rank))
         _same(restored, _state(rank))
         # a new writer serves the next save
-        mgr._saver.test_writer_delay_s = 0.0
+        mgr._faults.writer_delay_s = 0.0
         mgr.save(3, _state(rank, 3.0)).result()
         assert mgr.latest_step() == 3
         assert (mgr.writer_pid != pid) == (rank == victim)
@@ -164,7 +164,7 @@ def _enospc(rank, world, root):
     with nostall.CheckpointManager(root, async_save=True) as mgr:
         mgr.save(1, _state(rank)).result()
         if rank == 1:
-            mgr._saver.test_writer_fault = "enospc"
+            mgr._faults.writer_fault = "enospc"
         mgr.save(2, _state(rank, 2.0))
         try:
             mgr.save(3, _state(rank, 3.0))  # raises the failure of step 2
@@ -173,17 +173,17 @@ def _enospc(rank, world, root):
             msg = str(e)
         assert "step 2" in msg and "rank 1" in msg and "No space left" in msg, msg
         assert mgr.steps() == [1]
-        mgr._saver.test_writer_fault = None
+        mgr._faults.writer_fault = None
         mgr.save(3, _state(rank, 3.0)).result()
         assert mgr.steps() == [1, 3]
     # errors="log": the failure is logged, training goes on
     with nostall.CheckpointManager(root, async_save=True, errors="log") as mgr:
         if rank == 0:
-            mgr._saver.test_writer_fault = "enospc"
+            mgr._faults.writer_fault = "enospc"
         h = mgr.save(4, _state(rank))
         mgr.finalize_pending_saves()  # does not raise
         assert isinstance(h.exception(), nostall.CheckpointSaveError)
-        mgr._saver.test_writer_fault = None
+        mgr._faults.writer_fault = None
         mgr.save(5, _state(rank)).result()
         assert mgr.steps() == [1, 3, 5]
     return msg
@@ -238,7 +238,7 @@ def _finalize_on_one_rank(rank, world, root):
     import nostall
 
     mgr = nostall.CheckpointManager(root, async_save=True)
-    mgr._saver.test_writer_delay_s = 0.5
+    mgr._faults.writer_delay_s = 0.5
     mgr.save(1, _state(rank))
     if rank == 1:
         mgr.finalize_pending_saves()  # no other rank calls it: must not deadlock
@@ -259,7 +259,7 @@ def _mixed(rank, world, root):
     import nostall
 
     with nostall.CheckpointManager(root, async_save=True) as mgr:
-        mgr._saver.test_writer_delay_s = 1.0
+        mgr._faults.writer_delay_s = 1.0
         h1 = mgr.save(1, _state(rank))
         h2 = mgr.save(2, _state(rank, 2.0), async_save=False)  # must not orphan step 1
         assert h1.done() and h2.done()
@@ -279,7 +279,7 @@ import os, sys, time, signal, torch, nostall
 root, how = sys.argv[1], sys.argv[2]
 state = {"w": torch.arange(100000, dtype=torch.float32), "step": 7}
 mgr = nostall.CheckpointManager(root, async_save=True)
-mgr._saver.test_writer_delay_s = 1.0
+mgr._faults.writer_delay_s = 1.0
 print("writer", mgr.writer_pid, flush=True)
 if how == "context":
     with mgr:

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from nostall import commit
+from nostall.roots import PosixRoot
 from nostall.loading import check_checkpoint
 from tests.netns_hosts import Host, HostNet
 
@@ -200,9 +200,9 @@ def test_shared_fs_two_hosts_save_stop_resume_on_same_and_one_host_layout(tmp_pa
         root = str(tmp_path / "shared" / "ckpts")
         out = _save_stop_resume(net, str(tmp_path), root, [])
         a, b = net.hosts
-        assert commit.committed_steps(root) == [6, 9] and commit.latest_step(root) == 9
+        assert PosixRoot(root).steps() == [6, 9] and PosixRoot(root).latest_step() == 9
         for s in (6, 9):
-            assert check_checkpoint(commit.step_dir(root, s)).ok
+            assert check_checkpoint(os.path.join(root, f"step_{s}")).ok
         # a shared-FS destination leaves nothing on either host's local disk
         for h in (a, b):
             assert not [p for p in _files_under(h.disk) if "nostall" in p], _files_under(h.disk)
@@ -275,7 +275,7 @@ def _requests(log: str) -> List[tuple]:
 def test_object_storage_two_hosts_save_stop_resume_on_same_and_one_host_layout(tmp_path, capsys, monkeypatch):
     pytest.importorskip("s3fs", reason="object-storage tests need s3fs (pip install 'nostall[s3]')")
     pytest.importorskip("moto", reason="object-storage tests need moto[server]")
-    from nostall import commit_remote
+    from nostall.roots import open_root
 
     t0 = time.monotonic()
     with HostNet(2, str(tmp_path)) as net:
@@ -296,10 +296,10 @@ def test_object_storage_two_hosts_save_stop_resume_on_same_and_one_host_layout(t
                     f.write(h.name)
             out = _save_stop_resume(net, str(tmp_path), root,
                                     ["--storage-options", json.dumps(so), "--local-staging-dir", staging])
-            assert commit_remote.committed_steps(root, so) == [6, 9]
-            assert commit_remote.latest_step(root, so) == 9
+            assert open_root(root, storage_options=so).steps() == [6, 9]
+            assert open_root(root, storage_options=so).latest_step() == 9
             for s in (6, 9):
-                assert check_checkpoint(commit_remote.join(root, f"step_{s}"), so).ok
+                assert check_checkpoint(f"{root}/step_{s}", so).ok
             # node-local staging: each host's disk saw only its own ranks (a: 0, 1; b: 2, 3), the uploads left
             # no file behind, and nothing else there was touched
             for h, ranks in ((a, ["rank0", "rank1"]), (b, ["rank2", "rank3"])):
@@ -338,7 +338,7 @@ def _trial(net: HostNet, root: str, logs: str, k: int, rng: random.Random, victi
     """
     a, b = net.hosts
     dead, alive = (b, a) if victim == 1 else (a, b)
-    before = commit.latest_step(root)
+    before = PosixRoot(root).latest_step()
     args = MODEL + ["--ckpt-dir", root, "--steps", "100000", "--ckpt-interval", "1", "--resume", "latest",
                     "--timeout", str(CKPT_TIMEOUT_S), "--pg-timeout", "60"]
     job = Job(f"kill{k}", [a, b], args, logs)
@@ -351,7 +351,7 @@ def _trial(net: HostNet, root: str, logs: str, k: int, rng: random.Random, victi
             pytest.fail(f"trial {k}: the job did not start saving\n{job.tails()}")
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, 1.0))
-    in_flight = sorted(n for n in os.listdir(os.path.join(root, commit.TMP_DIR)) if n.startswith("step_"))
+    in_flight = sorted(n for n in os.listdir(os.path.join(root, ".tmp")) if n.startswith("save-"))
     t_kill = time.monotonic()
     killed = dead.kill_all()
     saved_before_kill = [int(s) for s in _SAVED.findall(job.log(0))]
@@ -374,7 +374,7 @@ def _trial(net: HostNet, root: str, logs: str, k: int, rng: random.Random, victi
     assert not left, f"trial {k}: processes {left} of host {alive.name} outlived its agent by 15 s"
     assert code != 0, f"trial {k}: host {alive.name}'s job ended well although host {dead.name} died\n{job.tails()}"
     resumed = _RESUMED.findall(job.log(0))
-    after = commit.latest_step(root)
+    after = PosixRoot(root).latest_step()
     return {"trial": k, "killed_host": dead.name, "latest_before": before, "latest_after": after,
             "resumed_from": resumed, "saves_seen": saved_before_kill, "in_flight_at_kill": in_flight,
             "killed": killed, "survivor_exit_s": round(exit_s, 2), "survivor": alive.name}
@@ -397,11 +397,11 @@ def test_host_kill_mid_save_keeps_latest_and_survivors_exit(tmp_path, capsys):
             assert after is not None, f"trial {k}: no checkpoint committed: {r}"
             # the latest checkpoint is never lost, and it verifies
             assert before is None or after >= before, f"trial {k}: latest went back: {r}"
-            assert check_checkpoint(commit.step_dir(root, after)).ok, r
+            assert check_checkpoint(os.path.join(root, f"step_{after}")).ok, r
             # every visible step_N is committed (a crash never exposes a partial checkpoint)
             for n in os.listdir(root):
                 if n.startswith("step_"):
-                    assert commit.is_committed(os.path.join(root, n)), (n, r)
+                    assert PosixRoot(root).is_checkpoint(n), (n, r)
             # the job resumed from the checkpoint the previous trial left (the first one started fresh)
             assert r["resumed_from"] == ([] if before is None else [str(before)]), r
             # training went on across the host losses: the second save() of a job returns only once its
@@ -409,7 +409,7 @@ def test_host_kill_mid_save_keeps_latest_and_survivors_exit(tmp_path, capsys):
             assert len(r["saves_seen"]) >= 2 and after >= r["saves_seen"][0], r
             assert r["killed"] >= 3, r  # the agent and its 2 ranks at least (and their writers)
         # the surviving host alone (1 host x 2 ranks) loads the latest checkpoint and trains on
-        latest = commit.latest_step(root)
+        latest = PosixRoot(root).latest_step()
         hist = str(tmp_path / "final.json")
         survivor = a if results[-1]["survivor"] == "a" else b
         Job("final", [survivor], MODEL + ["--ckpt-dir", root, "--resume", "latest", "--steps", str(latest + 2),
@@ -450,5 +450,5 @@ def test_shared_fs_without_flock_support_claims_the_root_with_a_warning(tmp_path
             assert mgr.latest_step() == 1
     assert "does not support flock" in caplog.text
     out = {"w": torch.zeros(6)}
-    nostall.load(out, commit.step_dir(root, 1))
+    nostall.load(out, os.path.join(root, "step_1"))
     assert torch.equal(out["w"], state["w"])

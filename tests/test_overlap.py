@@ -78,7 +78,7 @@ def test_optimizer_step_right_after_an_overlapped_save_waits_for_the_copy(tmp_pa
     net, opt = _model()
     mgr = nostall.CheckpointManager(tmp_path / "run", async_save=True, overlap=True, block_size=BLOCK)
     mgr.attach(opt)
-    mgr._saver.test_stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 0.3
     state = _state(net, opt)
     at_save = _snapshot(state)
     h = mgr.save(1, state, stage_now="model/1.")  # BatchNorm's buffers change in the next forward
@@ -99,7 +99,7 @@ def test_without_the_hook_the_copy_would_see_the_step(tmp_path):
     """The hazard the hook removes is real: unattached, a mutation during the copy lands in the checkpoint."""
     w = torch.zeros(256, 256)
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, overlap=True, block_size=BLOCK)
-    mgr._saver.test_stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 0.3
     h = mgr.save(1, {"w": w})
     w.add_(1.0)  # no wait_until_staged(): breaks the contract
     h.result()
@@ -112,7 +112,7 @@ def test_without_the_hook_the_copy_would_see_the_step(tmp_path):
 def test_stage_now_copies_the_selected_keys_before_save_returns(tmp_path):
     w, running = torch.zeros(1000), torch.zeros(1000)
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, overlap=True, block_size=BLOCK)
-    mgr._saver.test_stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 0.3
     mgr.save(1, {"bn": {"running_mean": running}, "w": w}, stage_now=lambda key: key.startswith("bn/"))
     running.add_(5.0)  # "forward" changes it before the optimizer step
     mgr.wait_until_staged()
@@ -126,7 +126,7 @@ def test_stage_now_copies_the_selected_keys_before_save_returns(tmp_path):
 def test_load_save_and_close_wait_for_an_overlapped_copy(tmp_path):
     w = torch.arange(4096, dtype=torch.float32)
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, overlap=True, keep_last=1, block_size=BLOCK)
-    mgr._saver.test_stage_delay_s = 0.2
+    mgr._faults.stage_delay_s = 0.2
     mgr.save(1, {"w": w})
     got = torch.zeros_like(w)
     mgr.load({"w": got}, 1)  # finalizes: waits for the copy, then the commit
@@ -209,11 +209,11 @@ def test_a_chunked_save_that_fails_to_write_commits_nothing_and_the_next_one_wor
     state = _big_state()
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, staging_budget_bytes=1 << 20, block_size=BLOCK)
     mgr.save(1, state).result()
-    mgr._saver.test_writer_fault = "enospc"
+    mgr._faults.writer_fault = "enospc"
     with pytest.raises(nostall.CheckpointSaveError, match="step 2"):
         mgr.save(2, state).result()
     assert mgr.steps() == [1]
-    mgr._saver.test_writer_fault = None
+    mgr._faults.writer_fault = None
     mgr.save(3, state).result()
     assert mgr.steps() == [1, 3]
     mgr.close()
@@ -298,7 +298,7 @@ def _two_ranks(rank, world, root, overlap, budget):
     mgr = nostall.CheckpointManager(f"{root}/run", async_save=True, overlap=overlap, staging_budget_bytes=budget,
                                     block_size=64 << 10)
     mgr.attach(opt)
-    mgr._saver.test_stage_delay_s = 0.1
+    mgr._faults.stage_delay_s = 0.1
     h = mgr.save(1, state)
     p.grad = torch.ones_like(p)
     opt.step()  # waits for the copy (overlap), then changes w

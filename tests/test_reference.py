@@ -131,7 +131,7 @@ def _late_manual_save(rank, world_size, root):
     # no periodic saves; one save issued late (as a callback would), still in flight when training ends
     t = Trainer(_cfg(loop="sft", tp=2, ckpt_dir=root, ckpt_interval=0, save_at=(2 * N,), async_save=True))
     mgr = t.strategy.manager(root)
-    mgr._saver.test_writer_delay_s = 1.5
+    mgr._faults.writer_delay_s = 1.5
     try:
         result = t.run()
         # checked before close(): run()'s own end-of-training finalize committed the save

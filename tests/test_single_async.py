@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import nostall
-from nostall import commit
 
 
 def _state(v: float):
@@ -39,13 +38,13 @@ def test_async_single_process_round_trip(tmp_path):
 def test_polling_done_does_not_swallow_a_failure(tmp_path):
     mgr = nostall.CheckpointManager(tmp_path, async_save=True)
     mgr.save(1, _state(1)).result()
-    mgr._saver.test_writer_fault = "enospc"
+    mgr._faults.writer_fault = "enospc"
     h = mgr.save(2, _state(2))
     while not h.done():  # polling the handle observes the failure...
         pass
     assert isinstance(h.exception(), nostall.CheckpointSaveError)
     repr(h)
-    mgr._saver.test_writer_fault = None
+    mgr._faults.writer_fault = None
     with pytest.raises(nostall.CheckpointSaveError, match="step 2"):  # ...and the next save still raises it
         mgr.save(3, _state(3))
     mgr.save(3, _state(3)).result()
@@ -55,11 +54,11 @@ def test_polling_done_does_not_swallow_a_failure(tmp_path):
 
 def test_result_reports_a_failure_once(tmp_path):
     mgr = nostall.CheckpointManager(tmp_path, async_save=True)
-    mgr._saver.test_writer_fault = "enospc"
+    mgr._faults.writer_fault = "enospc"
     h = mgr.save(1, _state(1))
     with pytest.raises(nostall.CheckpointSaveError, match="No space left"):
         h.result()
-    mgr._saver.test_writer_fault = None
+    mgr._faults.writer_fault = None
     mgr.save(2, _state(2)).result()  # the caller saw the error already: not raised again
     assert mgr.steps() == [2]
     mgr.close()
@@ -68,7 +67,7 @@ def test_result_reports_a_failure_once(tmp_path):
 def test_close_raises_a_pending_failure_after_releasing_everything(tmp_path):
     mgr = nostall.CheckpointManager(tmp_path, async_save=True)
     pid = mgr.writer_pid
-    mgr._saver.test_writer_fault = "enospc"
+    mgr._faults.writer_fault = "enospc"
     mgr.save(1, _state(1))
     with pytest.raises(nostall.CheckpointSaveError):
         mgr.close()
@@ -124,16 +123,23 @@ def test_fresh_optimizer_template_gets_a_helpful_error(tmp_path):
         nostall.load({"opt": fresh.state_dict()}, tmp_path / "c")
 
 
-def test_publish_refuses_missing_or_short_data_files(tmp_path):
-    staging = tmp_path / "staging"
-    staging.mkdir()
-    (staging / "rank0.safetensors").write_bytes(b"x" * 10)
-    final = tmp_path / "final"
+def test_commit_refuses_missing_or_short_data_files(tmp_path):
+    from nostall.jobs import Destination
+    from nostall.roots import PosixRoot
+
+    root = PosixRoot(str(tmp_path))
+    root.claim().release()
+    dest = Destination(root, "step_1", 1, "a" * 32, move_latest=True)
+    root.make_staging(dest)
+    staging = root.open_staging(dest, 0)
+    with open(os.path.join(staging, "rank0.safetensors"), "wb") as f:
+        f.write(b"x" * 10)
     with pytest.raises(nostall.CheckpointSaveError, match="rank1.safetensors is missing"):
-        commit.publish(str(staging), str(final), b"{}", {"rank0.safetensors": 10, "rank1.safetensors": 5}, str(tmp_path / "t"))
+        root.check_files(dest, {"rank0.safetensors": 10, "rank1.safetensors": 5})
     with pytest.raises(nostall.CheckpointSaveError, match="has 10 bytes"):
-        commit.publish(str(staging), str(final), b"{}", {"rank0.safetensors": 11}, str(tmp_path / "t"))
-    assert not final.exists() and not (staging / "manifest.json").exists()
+        root.check_files(dest, {"rank0.safetensors": 11})
+    root.abort(dest)
+    assert not (tmp_path / "step_1").exists() and os.listdir(tmp_path / ".tmp") == [".lock"]
 
 
 def test_resave_swaps_atomically_and_leaves_nothing(tmp_path):

@@ -141,13 +141,21 @@ def test_not_step_names_are_ignored(tmp_path: Path) -> None:
 def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     mgr = nostall.CheckpointManager(tmp_path)
     mgr.save(5, state_for(5))
-    left = tmp_path / ".tmp" / "step_7"
+    # what crashed saves leave: nostall's names, each with the marker holding its id
+    left = tmp_path / ".tmp" / ("save-" + "7" * 32)
     left.mkdir(parents=True)
+    (tmp_path / ".tmp" / ("save-" + "7" * 32 + ".nostall")).write_text("7" * 32)
     (left / "rank0.safetensors").write_bytes(b"partial")
     (left / "manifest.json").write_bytes(b"{}")
-    trash = tmp_path / ".tmp" / "trash-0123"
+    trash = tmp_path / ".tmp" / ("trash-" + "0123" * 8)
     trash.mkdir()
+    (tmp_path / ".tmp" / ("trash-" + "0123" * 8 + ".nostall")).write_text("0123" * 8)
     (trash / "x").write_bytes(b"x")
+    # and what nostall cannot prove it made: left alone
+    theirs = [tmp_path / ".tmp" / "step_7", tmp_path / ".tmp" / ("save-" + "8" * 32)]
+    for d in theirs:
+        d.mkdir()
+        (d / "notes.txt").write_text("the user's")
     assert mgr.steps() == [5]  # a staging dir never counts
     # a second manager while the first is open is refused, naming the holder, and touches nothing
     with pytest.raises(nostall.CheckpointSaveError, match=f"in use by another CheckpointManager: pid {os.getpid()}"):
@@ -162,6 +170,7 @@ def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     nostall.CheckpointManager(tmp_path).close()
     assert not left.exists()
     assert not trash.exists()
+    assert all((d / "notes.txt").read_text() == "the user's" for d in theirs)
     assert (tmp_path / "step_5" / "manifest.json").is_file()
     assert_is_step(nostall.CheckpointManager(tmp_path).load(template()), 5)
 

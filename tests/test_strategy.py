@@ -122,7 +122,7 @@ def test_overlap_attaches_the_optimizer_and_copies_buffers_before_returning(tmp_
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     with Strategy(async_save=True, overlap=True) as s:
         mgr = s.manager(str(tmp_path))
-        mgr._saver.test_stage_delay_s = 0.3  # the copy is still running when training goes on
+        mgr._faults.stage_delay_s = 0.3  # the copy is still running when training goes on
         h = s.save_checkpoint(str(tmp_path), 1, model, opt)
         model(torch.randn(8, 6)).sum().backward()  # forward changes running_mean/var in place
         opt.step()  # waits for the copy (attached), then changes the weights

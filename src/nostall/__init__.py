@@ -23,6 +23,7 @@ from .errors import (
     CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointSaveError,
+    CheckpointTimeoutError,
     InvalidStateError,
 )
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .handles import SaveHandle, SaveStats
     from .manager import CheckpointManager
     from .model import PerRank, ShardedTensor
+    from .options import Options
 
 __version__ = "0.1.0"
 
@@ -42,6 +44,7 @@ _LAZY = {
     "SaveStats": "handles",
     "save": "api",
     "load": "api",
+    "Options": "options",
 }
 
 __all__ = [
@@ -52,8 +55,10 @@ __all__ = [
     "SaveStats",
     "save",
     "load",
+    "Options",
     "CheckpointError",
     "CheckpointSaveError",
+    "CheckpointTimeoutError",
     "InvalidStateError",
     "CheckpointLoadError",
     "CheckpointNotFoundError",

@@ -1,23 +1,34 @@
-"""Test-only crash points: nothing happens unless ``NOSTALL_TEST_CRASH`` is set.
+"""Test-only fault injection: one object, inert unless a test arms it.
 
-``NOSTALL_TEST_CRASH="<role>:<point>:<step>"`` makes a process of that role
-(``trainer``, or ``writer`` for the background writer, whose environment sets
-``NOSTALL_PROCESS_ROLE=writer``) SIGKILL itself when it reaches ``point``
-during the save of ``step``. The crash-consistency tests set it in one rank's
-environment to stop a process at an exact phase of a save. The points, in
-the order a save reaches them:
+:class:`Faults` is the single place where tests reach into a save: a
+manager owns one (``mgr._faults``), and it travels with every save job to
+the writer process, so the same knobs act on synchronous and asynchronous
+saves. Production code only ever *asks* it (``faults.check("latest")``);
+nothing in a production type is a test field.
+
+Crash points: ``NOSTALL_TEST_CRASH="<role>:<point>:<step>"`` makes a process
+of that role (``trainer``, or ``writer`` for the background writer, whose
+environment sets ``NOSTALL_PROCESS_ROLE=writer``) SIGKILL itself when it
+reaches ``point`` during the save of ``step``. The crash-consistency tests
+set it in one rank's environment to stop a process at an exact phase of a
+save. The points, in the order a save reaches them:
 
 ``planned``, ``staged`` (trainer, async), ``written`` (trainer, sync),
-``write.start``, ``write.done`` (writer), ``commit.ready``,
-``commit.manifest``, ``commit.renamed``, ``retain.moved`` (whoever commits:
-rank 0's writer for async saves, rank 0's trainer for sync ones).
+``write.start``, ``write.done`` (whoever writes), ``upload.done``,
+``commit.ready``, ``commit.manifest``, ``commit.renamed``, ``retain.moved``
+(whoever commits: rank 0's writer for async saves, rank 0's trainer for sync
+ones).
+
+This module does not import torch.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
 ENV = "NOSTALL_TEST_CRASH"
 ROLE_ENV = "NOSTALL_PROCESS_ROLE"
@@ -30,3 +41,39 @@ def crash_point(point: str, step: Optional[int]) -> None:
     role, name, at = spec.split(":")
     if name == point and str(step) == at and os.environ.get(ROLE_ENV, "trainer") == role:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class Faults:
+    """What a test asks to go wrong (nothing, by default). Picklable.
+
+    ``writer_delay_s``: the writing of a save's files sleeps this long first.
+    ``writer_fault``: ``"enospc"`` fails the writing of the files like a full disk.
+    ``stage_delay_s``: the copy into host memory (async saves) sleeps this long.
+    ``fail``: storage operation -> errno, raised as ``OSError`` when the
+    operation runs (operations: ``"latest"``, ``"outcome"``, ``"manifest"``,
+    ``"record"``); ``fail_times`` limits how often (default: every time).
+    """
+
+    writer_delay_s: float = 0.0
+    writer_fault: Optional[str] = None
+    stage_delay_s: float = 0.0
+    fail: Dict[str, int] = field(default_factory=dict)
+    fail_times: Dict[str, int] = field(default_factory=dict)
+
+    def check(self, op: str, path: str = "") -> None:
+        """Raise the ``OSError`` armed for ``op``, if any."""
+        code = self.fail.get(op)
+        if code is None:
+            return
+        left = self.fail_times.get(op)
+        if left is not None:
+            if left <= 0:
+                return
+            self.fail_times[op] = left - 1
+        raise OSError(code, f"{os.strerror(code)} (test fault on {op})", path)
+
+    def check_write(self, path: str) -> None:
+        """The writing of a save's files: the armed delay and fault."""
+        if self.writer_fault == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device (test fault)", path)

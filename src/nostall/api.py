@@ -7,11 +7,13 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from .commit import PathTarget
 from ._comm import make_comm
 from .format import DEFAULT_BLOCK_SIZE
 from .handles import SaveStats
+from .jobs import Destination
 from .loading import load_state
+from .options import Options
+from .roots import split_checkpoint
 from .saving import Saver
 
 __all__ = ["save", "load"]
@@ -24,9 +26,11 @@ def save(state: Any, path: str, *, process_group: Any = None, timeout: float = 6
     A collective call over ``process_group`` when ``torch.distributed`` is
     initialised. The directory appears only once complete.
     """
+    options = Options(timeout=timeout, block_size=block_size)
+    root, name = split_checkpoint(os.fspath(path))
     comm = make_comm(process_group, timeout, own_group=False)
     try:
-        return Saver(comm, block_size).save(state, PathTarget(os.fspath(path)), None)
+        return Saver(comm, options).save(state, Destination(root, name, None, ""))
     finally:
         comm.close()
 

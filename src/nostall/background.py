@@ -19,25 +19,14 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
-from typing import Any, Optional
+from typing import List, Optional, Tuple
 
-from . import remote
+from . import commit
 from ._faults import ROLE_ENV
-from .errors import CheckpointError
-from .format import MANIFEST_NAME
+from .errors import CheckpointError, CheckpointTimeoutError
+from .jobs import JobResult, Msg, Op, SaveJob, Segment
 from .staging import StagingArea
-from .writer import (
-    LOG_LEVEL_ENV,
-    Crcs,
-    JobResult,
-    SaveJob,
-    done_record,
-    outcome_record,
-    poll_until,
-    read_record,
-    record_crcs,
-    write_record,
-)
+from .writer import LOG_LEVEL_ENV
 
 log = logging.getLogger("nostall")
 
@@ -49,31 +38,6 @@ _WRITER_MAIN = "import sys; from nostall.writer import main; sys.exit(main(int(s
 
 class WriterDied(CheckpointError):
     pass
-
-
-def _was_committed(job: SaveJob) -> bool:
-    """Did rank 0's writer pass the commit point of ``job`` before dying?
-
-    True only if the checkpoint in place holds exactly the manifest this job
-    would have written (so an older checkpoint of the same step does not count).
-    """
-    assert job.commit is not None
-    path = os.path.join(job.commit.target.final, MANIFEST_NAME)
-    crcs: Crcs = {}
-    for r in job.writers:
-        rec = read_record(done_record(job.records, r), job.storage_options)
-        if not rec or not rec.get("ok"):
-            return False
-        crcs.update(record_crcs(rec))
-    try:
-        expected = job.commit.manifest.with_crcs(crcs).to_json_bytes()
-        if remote.is_remote(path):
-            fs, key = remote.filesystem(path, job.storage_options)
-            return remote.retry(f"read {path}", lambda: fs.cat_file(key)) == expected
-        with open(path, "rb") as f:
-            return f.read() == expected
-    except (OSError, ValueError):
-        return False
 
 
 class BackgroundWriter:
@@ -148,12 +112,12 @@ class BackgroundWriter:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
 
-    def _recv(self, deadline: float, what: str, skip: tuple = ()) -> Any:
+    def _recv(self, deadline: float, what: str, skip: Tuple[Op, ...] = ()) -> Msg:
         """Next message from the writer (ignoring kinds in ``skip``), bounded by ``deadline``."""
         assert self._conn is not None
         while self._stash:
             msg = self._stash.pop(0)
-            if msg[0] not in skip:
+            if msg.op not in skip:
                 return msg
         while True:
             if self._conn.poll(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
@@ -162,14 +126,14 @@ class BackgroundWriter:
                 except (EOFError, OSError):
                     msg = None  # fall through to the liveness check
                 if msg is not None:
-                    if msg[0] in skip:
+                    if msg.op in skip:
                         continue
                     return msg
             if not self.alive():
                 code = self.proc.returncode if self.proc is not None else None
                 raise WriterDied(f"rank {self.rank}: the writer process died (exit code {code}) while {what}")
             if time.monotonic() > deadline:
-                raise CheckpointError(f"rank {self.rank}: timed out after {self.timeout:.0f}s while {what}")
+                raise CheckpointTimeoutError(f"rank {self.rank}: timed out after {self.timeout:.0f}s while {what}")
 
     # ------------------------------------------------------------------ jobs
     def attach_if_needed(self) -> None:
@@ -177,7 +141,7 @@ class BackgroundWriter:
         if self._attached_generation == self.area.generation:
             return
         assert self._conn is not None and self._sock is not None and self.area.fd is not None
-        self._conn.send(("attach", self.area.size))
+        self._conn.send(Msg(Op.ATTACH, size=self.area.size))
         sendfds(self._sock, [self.area.fd])
         self._attached_generation = self.area.generation
 
@@ -185,35 +149,35 @@ class BackgroundWriter:
         assert self.job is None, "one save in flight at a time"
         self.attach_if_needed()
         assert self._conn is not None
-        self._conn.send(("save", job))
+        self._conn.send(Msg(Op.SAVE, job=job))
         self.job = job
 
-    def send_chunk(self, index: int, segments: Any) -> None:
+    def send_chunk(self, index: int, segments: List[Segment]) -> None:
         """Hand the writer the next staged chunk of the job in flight (a chunked job)."""
         assert self._conn is not None
-        self._conn.send(("chunk", index, segments))
+        self._conn.send(Msg(Op.CHUNK, index=index, segments=segments))
 
     def abort_chunks(self, why: str) -> None:
         """Staging failed part-way: the writer fails the job instead of waiting for chunks."""
         try:
             if self._conn is not None:
-                self._conn.send(("chunk_abort", why))
+                self._conn.send(Msg(Op.CHUNK_ABORT, text=why))
         except OSError:
             pass
 
     def wait_chunk_done(self, index: int, deadline: float) -> bool:
         """Wait until the writer released chunk ``index`` (True), or finished the job early: it failed (False)."""
         while True:
-            msg = self._recv(deadline, f"writing chunk {index}", skip=("attached",))
-            if msg[0] == "chunk_done" and msg[1] >= index:
+            msg = self._recv(deadline, f"writing chunk {index}", skip=(Op.ATTACHED,))
+            if msg.op is Op.CHUNK_DONE and msg.index >= index:
                 return True
-            if msg[0] == "result":
+            if msg.op is Op.RESULT:
                 self._stash.append(msg)
                 return False
 
     def ready(self) -> bool:
         """True when the job in flight has its result waiting (never blocks)."""
-        if any(m[0] == "result" for m in self._stash):
+        if any(m.op is Op.RESULT for m in self._stash):
             return True
         if self._conn is None or not self.alive():
             return False
@@ -222,7 +186,7 @@ class BackgroundWriter:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 return False
-            if msg[0] == "result":
+            if msg.op is Op.RESULT:
                 self._stash.append(msg)
                 return True
         return False
@@ -240,48 +204,16 @@ class BackgroundWriter:
         # writer's precise error (a rank missing, a failed upload) arrives before our timeout.
         limit = self.timeout * 1.5 if timeout is None else timeout
         try:
-            reply = self._recv(time.monotonic() + limit, f"writing step {job.step}", skip=("attached", "chunk_done"))
+            reply = self._recv(time.monotonic() + limit, f"writing step {job.step}",
+                               skip=(Op.ATTACHED, Op.CHUNK_DONE))
         except WriterDied as e:
             self.job = None
-            return self._after_writer_death(job, str(e))
+            log.error("%s", e)
+            return commit.recover(job, str(e), self.timeout)
         self.job = None
-        if reply[0] != "result":
+        if reply.op is not Op.RESULT or reply.result is None:
             return JobResult(job.save_id, False, f"rank {self.rank}: unexpected reply from the writer: {reply!r}")
-        return reply[1]
-
-    def _after_writer_death(self, job: SaveJob, why: str) -> JobResult:
-        """The writer died with ``job`` in flight: settle the job's outcome for everyone."""
-        log.error("%s", why)
-        res = JobResult(job.save_id, False, why)
-        try:
-            so = job.storage_options
-            if read_record(done_record(job.records, job.rank), so) is None:
-                write_record(done_record(job.records, job.rank), {"ok": False, "error": why}, so)
-            if job.commit is not None:
-                outcome = read_record(outcome_record(job.records), so)
-                if outcome is None:
-                    if _was_committed(job):  # died after the commit point
-                        job.commit.target.point_latest()
-                        outcome = {"ok": True}
-                    else:
-                        job.commit.target.abort()
-                        outcome = {"ok": False, "error": f"save of step {job.step} failed: {why}"}
-                    write_record(outcome_record(job.records), outcome, so)
-            else:
-                try:
-                    outcome = poll_until(time.monotonic() + self.timeout, "rank 0's outcome",
-                                         lambda: read_record(outcome_record(job.records), so), max_delay=0.5)
-                except TimeoutError:
-                    outcome = {"ok": False, "error": f"{why}; rank 0 did not record an outcome either"}
-            if outcome.get("ok"):
-                res.ok, res.error = True, None
-            else:
-                res.error = outcome.get("error") or why
-                if why not in res.error:
-                    res.error = f"{why}; {res.error}"
-        except OSError as e:
-            res.error = f"{why}; recording the failure also failed: {e}"
-        return res
+        return reply.result
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 10.0) -> None:
@@ -289,8 +221,8 @@ class BackgroundWriter:
         if self.proc is not None:
             if self.alive() and self._conn is not None:
                 try:
-                    self._conn.send(("stop",))
-                    self._recv(time.monotonic() + timeout, "stopping", skip=("attached", "result", "chunk_done"))
+                    self._conn.send(Msg(Op.STOP))
+                    self._recv(time.monotonic() + timeout, "stopping", skip=(Op.ATTACHED, Op.RESULT, Op.CHUNK_DONE))
                 except (CheckpointError, OSError, EOFError):
                     pass
             if self.alive():

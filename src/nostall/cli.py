@@ -18,27 +18,16 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from . import commit, commit_remote, remote
+from . import remote, roots
 from .errors import CheckpointError
 from .format import MANIFEST_NAME, Manifest
 from .loading import check_checkpoint, read_manifest
 
 
 def _resolve(path: str, so: Optional[Dict[str, Any]] = None) -> str:
-    """A checkpoint directory (or URL), or a manager root (then its newest checkpoint)."""
-    if remote.is_remote(path):
-        path = path.rstrip("/")
-        step = commit_remote.latest_step(path, so)
-        fs, key = remote.filesystem(path, so)
-        if step is not None and not fs.exists(f"{key}/{MANIFEST_NAME}"):
-            return commit_remote.join(path, f"step_{step}")
-        return path
-    if commit.is_committed(path):
-        return path
-    steps = commit.committed_steps(path)
-    if steps:
-        return commit.step_dir(path, steps[-1])
-    return path
+    """A checkpoint directory (or URL), or a manager root: then the checkpoint its ``load()`` would use."""
+    root, name, _ = roots.resolve(path, storage_options=so)
+    return root.path(name)
 
 
 def _human(n: float) -> str:
@@ -131,53 +120,33 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- ls
 
 
-def _entry(path: str, step: Optional[int], so: Optional[Dict[str, Any]], latest: Optional[int]) -> Dict[str, Any]:
-    e: Dict[str, Any] = {"step": step, "path": path if remote.is_remote(path) else os.path.abspath(path),
-                         "latest": step is not None and step == latest}
+def _entry(root: roots.Root, name: str, step: Optional[int], so: Optional[Dict[str, Any]],
+           latest: Optional[int]) -> Dict[str, Any]:
+    path = root.path(name)
+    e: Dict[str, Any] = {"step": step, "path": path, "latest": step is not None and step == latest}
     try:
         m = read_manifest(path, so)
         e.update(bytes=sum(f.size for f in m.files.values()), files=len(m.files), tensors=len(m.tensors),
                  world_size=m.world_size)
     except (CheckpointError, OSError) as err:
         e.update(bytes=None, files=None, tensors=None, world_size=None, error=str(err))
-    e["modified"] = _modified(path, so)
+    e["modified"] = root.committed_at(name)
     return e
-
-
-def _modified(path: str, so: Optional[Dict[str, Any]]) -> Optional[str]:
-    """When the checkpoint's manifest was written (its commit), ISO 8601 UTC; None if unknown."""
-    try:
-        if remote.is_remote(path):
-            fs, key = remote.filesystem(path, so)
-            info = fs.info(f"{key.rstrip('/')}/{MANIFEST_NAME}")
-            t = info.get("LastModified") or info.get("mtime") or info.get("created")
-            if hasattr(t, "isoformat"):
-                return t.isoformat()
-            return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
-        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime))
-    except (OSError, ValueError, TypeError):
-        return None
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     so = _options(args)
-    root = args.root.rstrip("/") if remote.is_remote(args.root) else args.root
-    if remote.is_remote(root):
-        steps = commit_remote.committed_steps(root, so)
-        latest = commit_remote.latest_step(root, so)
-        paths = [commit_remote.join(root, f"step_{s}") for s in steps]
-        single = not steps and _has_manifest(root, so)
-    else:
-        if not os.path.isdir(root):
-            raise CheckpointError(f"{root}: no such directory")
-        steps = commit.committed_steps(root)
-        latest = commit.latest_step(root)
-        paths = [commit.step_dir(root, s) for s in steps]
-        single = not steps and commit.is_committed(root)
-    entries = [_entry(p, s, so, latest) for p, s in zip(paths, steps)]
-    if single:  # a one-shot checkpoint directory: list it alone
-        entries = [_entry(root, None, so, None)]
-    out = {"root": root if remote.is_remote(root) else os.path.abspath(root), "latest": latest,
+    root = roots.open_root(args.root, storage_options=so)
+    steps = root.steps()
+    latest = root.latest_step()
+    entries = [_entry(root, roots.step_name(s), s, so, latest) for s in steps]
+    if not steps:
+        parent, name = roots.split_checkpoint(args.root, so)
+        if parent.is_checkpoint(name):  # a one-shot checkpoint directory: list it alone
+            entries = [_entry(parent, name, None, so, None)]
+        elif not remote.is_remote(args.root) and not os.path.isdir(args.root):
+            raise CheckpointError(f"{args.root}: no such directory")
+    out = {"root": root.url, "latest": latest,
            "checkpoints": entries}
     if args.json:
         json.dump(out, sys.stdout, indent=1)
@@ -194,11 +163,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
         detail = f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None else f"UNREADABLE: {e['error']}"
         print(f"  {name:<14} {size:>11}  {e['modified'] or '?':<20}  {detail}{mark}")
     return 0
-
-
-def _has_manifest(url: str, so: Optional[Dict[str, Any]]) -> bool:
-    fs, key = remote.filesystem(url, so)
-    return bool(fs.exists(f"{key}/{MANIFEST_NAME}"))
 
 
 # --------------------------------------------------------------------------- convert

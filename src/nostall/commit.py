@@ -1,406 +1,374 @@
-"""The commit protocol: a checkpoint becomes visible only when it is complete.
+"""The save job and the commit routine: written once, run by every kind of save.
 
-Directory layout under a manager's root::
+:func:`run_job` is one rank's part of one save: write its files into the
+save's staging area, upload them (object storage), report them, and, on the
+committing rank, decide and commit. A synchronous save runs it inline in the
+trainer; an asynchronous one in the rank's background writer process; the
+interop writers run it with a world of one. Only the barrier between the
+ranks differs (:class:`Barrier`): collectives over the manager's group for a
+synchronous save, records on the root for a background one.
 
-    <root>/step_<N>/            committed checkpoints (manifest.json inside)
-    <root>/latest               text file: newest committed step, replaced atomically
-    <root>/.tmp/step_<N>/       a save in progress (never a checkpoint)
-    <root>/.tmp/trash-*/        a checkpoint being deleted (never a checkpoint)
+:func:`commit` is the commit protocol itself (docs/protocol.md)::
 
-Protocol of one save (see docs/protocol.md):
-1. every rank writes and fsyncs its data files into ``.tmp/step_<N>/``;
-2. once every rank succeeded, rank 0 writes ``manifest.json`` there, fsyncs
-   it and the directory, renames the directory to ``step_<N>`` and fsyncs the
-   root -- this rename is the commit point;
-3. rank 0 replaces ``latest``, then applies retention (older checkpoints are
-   first renamed into ``.tmp/`` and only then deleted).
+    check the data files -> prepare `latest` -> publish the manifest (the commit point)
+        -> move `latest` (or take the commit back and fail) -> outcome -> retention, sweep
 
-A directory counts as a checkpoint only if it is named ``step_<N>`` and holds a
-manifest, so a crash at any point leaves the previous checkpoint loadable.
+and :func:`recover` finishes a save whose writer died, through the same
+steps. :func:`steps_to_delete` is the retention policy: a pure function.
+
+This module does not import torch (it runs in the writer process).
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
-import json
 import logging
 import os
-import re
-import socket
-import sys
 import time
-import uuid
-from typing import List, Mapping, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import storage
-from .errors import CheckpointSaveError
 from ._faults import crash_point
-from .format import MANIFEST_NAME
+from .errors import CheckpointSaveError, describe
+from .jobs import Crcs, Destination, Done, FileJob, JobResult, Outcome, SaveJob
+from . import storage
+from .format import block_crcs
 
 log = logging.getLogger("nostall")
 
-TMP_DIR = ".tmp"
-LATEST = "latest"
-_STEP_RE = re.compile(r"^step_(0|[1-9][0-9]*)$")
+COMMIT_SLACK_S = 60.0  # ranks other than 0 wait this much longer than rank 0 for the outcome
+
+Parts = Iterable[Tuple[int, memoryview]]
+"""(start, bytes) of each piece of a file, in file order."""
+FileSource = Callable[[int, FileJob], Tuple[memoryview, Parts]]
+"""(index, file) -> (header bytes, its pieces): where a job's bytes come from."""
+Writer = Callable[[SaveJob, str], Crcs]
+"""(job, staging directory) -> checksums: writes every file of the job (see :func:`write_files`)."""
 
 
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step}")
+def steps_to_delete(committed: Sequence[int], keep_last: Optional[int], just_committed: int) -> List[int]:
+    """Retention: the committed steps to delete once ``just_committed`` is committed.
 
+    Keeps the newest ``keep_last`` (None: all), never the step just committed
+    nor the highest one.
 
-def staging_dir(root: str, step: int) -> str:
-    return os.path.join(root, TMP_DIR, f"step_{step}")
-
-
-def is_committed(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
-
-
-def committed_steps(root: str) -> List[int]:
-    """Steps of the committed checkpoints under ``root``, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    steps = []
-    for n in names:
-        m = _STEP_RE.match(n)
-        if m and is_committed(os.path.join(root, n)):
-            steps.append(int(m.group(1)))
-    return sorted(steps)
-
-
-def read_latest_pointer(root: str) -> Optional[int]:
-    """The step named by ``<root>/latest``, or None when absent or unreadable."""
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def latest_step(root: str) -> Optional[int]:
-    """The newest committed step: the ``latest`` pointer when it names a committed
-    checkpoint (after a rollback it may be lower than the highest step on disk),
-    else the highest committed step (the pointer may lag a crash by one commit)."""
-    pointed = read_latest_pointer(root)
-    if pointed is not None and is_committed(step_dir(root, pointed)):
-        return pointed
-    steps = committed_steps(root)
-    return steps[-1] if steps else None
-
-
-def check_staging(staging: str) -> None:
-    """Raise a clear error if a save's staging directory vanished (rank 0 creates it before the plan)."""
-    if not os.path.isdir(staging):
-        raise FileNotFoundError(
-            errno.ENOENT, "the save's staging directory is gone (was the checkpoint directory deleted?)", staging
-        )
-
-
-def remove_stale_staging(root: str, step: int) -> None:
-    """Rank 0, before a save: drop what an interrupted save of ``step`` left."""
-    path = staging_dir(root, step)
-    if os.path.exists(path):
-        log.info("removing %s left by an interrupted save", path)
-        storage.remove_tree(path)
-
-
-def _rename_exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), a)
-
-
-def check_files(staging: str, files: Mapping[str, int]) -> None:
-    """Every planned data file is in the staging directory with its planned size."""
-    for name, size in files.items():
-        path = os.path.join(staging, name)
-        try:
-            got = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CheckpointSaveError(f"{path} is missing at commit time") from None
-        if got != size:
-            raise CheckpointSaveError(f"{path} has {got} bytes at commit time, {size} planned")
-
-
-def publish(staging: str, final: str, manifest: bytes, files: Mapping[str, int], trash: str,
-            step: Optional[int] = None) -> None:
-    """Rank 0: check the data files, write the manifest last, move into place.
-
-    The rename is the commit point: errors before it raise (nothing is
-    visible), errors after it are only logged (the checkpoint is committed).
-    An existing ``final`` is swapped out atomically where the OS can
-    (``RENAME_EXCHANGE``), otherwise moved to ``trash`` just before the rename.
-    """
-    check_files(staging, files)
-    storage.write_file(os.path.join(staging, MANIFEST_NAME), [memoryview(manifest)])
-    storage.fsync_dir(staging)
-    crash_point("commit.manifest", step)
-    parent = os.path.dirname(os.path.abspath(final))
-    old = None
-    if os.path.exists(final):
-        if _rename_exchange(staging, final):
-            old = staging  # now holds the previous checkpoint
-        else:
-            old = trash
-            os.makedirs(os.path.dirname(old), exist_ok=True)
-            os.rename(final, old)
-            os.rename(staging, final)
-    else:
-        os.rename(staging, final)
-    crash_point("commit.renamed", step)
-    try:  # past the commit point
-        storage.fsync_dir(parent)
-        if old is not None:
-            storage.remove_tree(old)
-    except OSError as e:
-        log.warning("%s is committed, but a follow-up failed: %s", final, e)
-
-
-def _trash_path(root: str) -> str:
-    return os.path.join(root, TMP_DIR, f"trash-{uuid.uuid4().hex}")
-
-
-def update_latest(root: str, step: int) -> None:
-    storage.atomic_write(os.path.join(root, LATEST), f"{step}\n".encode())
-
-
-def apply_retention(root: str, keep_last: Optional[int], just_committed: int) -> List[int]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; returns deleted steps.
-
-    Never deletes ``just_committed`` nor the newest checkpoint, never touches
-    anything under ``.tmp``.
+    >>> steps_to_delete([1, 2, 3, 4], 2, 4)
+    [1, 2]
+    >>> steps_to_delete([1, 5, 9], 1, 3)   # after resuming from step 1 and saving 3
+    [1, 5]
     """
     if keep_last is None:
         return []
-    steps = committed_steps(root)
-    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
-    keep.add(just_committed)
+    steps = sorted(committed)
+    keep = set(steps[-keep_last:]) | {just_committed}
     if steps:
         keep.add(steps[-1])
-    deleted = []
-    for s in steps:
-        if s in keep:
-            continue
-        path = step_dir(root, s)
-        trash = _trash_path(root)
-        try:
-            os.makedirs(os.path.dirname(trash), exist_ok=True)
-            os.rename(path, trash)  # disappears atomically, then is deleted
-        except OSError as e:
-            log.warning("retention: could not remove %s: %s", path, e)
-            continue
-        crash_point("retain.moved", just_committed)
-        storage.remove_tree(trash)
-        deleted.append(s)
-    if deleted:
-        storage.fsync_dir(root)
-        log.info("retention: deleted step(s) %s under %s", deleted, root)
-    return deleted
+    return [s for s in steps if s not in keep]
 
 
-def clean_leftovers(root: str) -> None:
-    """Rank 0 at start: remove staging and trash directories left by a crash."""
-    tmp = os.path.join(root, TMP_DIR)
-    try:
-        names = os.listdir(tmp)
-    except FileNotFoundError:
+def write_file_image(path: str, header: memoryview, parts: Parts, size: int, block_size: int, name: str) -> Crcs:
+    """Write ``header`` then each ``(start, buffer)`` part, fsync; return the parts' block checksums."""
+    crcs: Crcs = {}
+
+    def chunks() -> Iterable[memoryview]:
+        yield memoryview(header)
+        pos = len(header)
+        for start, buf in parts:
+            if start != pos:
+                raise RuntimeError(f"{path}: piece at byte {start} but the file is at byte {pos}")
+            crcs[(name, start, start + len(buf))] = tuple(block_crcs(buf, block_size))
+            yield buf
+            pos += len(buf)
+
+    n = storage.write_file(path, chunks())
+    if n != size:
+        raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {size}")
+    return crcs
+
+
+def write_files(source: FileSource) -> Writer:
+    """A :data:`Writer` that writes each file of a job from ``source``."""
+
+    def write(job: SaveJob, staging: str) -> Crcs:
+        crcs: Crcs = {}
+        for i, f in enumerate(job.files):
+            header, parts = source(i, f)
+            crcs.update(write_file_image(os.path.join(staging, f.name), header, parts, f.size, job.block_size, f.name))
+        return crcs
+
+    return write
+
+
+# --------------------------------------------------------------------------- barriers
+
+
+class Barrier:
+    """How the ranks of one save meet: every rank reports, rank 0 decides, every rank learns.
+
+    ``gather`` is called by every rank (rank 0 gets every rank's record, or
+    what arrived before a failure or the deadline); then rank 0 calls
+    ``announce`` and every other rank ``await_outcome``.
+    """
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        raise NotImplementedError
+
+    def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
+        raise NotImplementedError
+
+    def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:
+        raise NotImplementedError
+
+
+class SoloBarrier(Barrier):
+    """A world of one (the interop writers): nothing to wait for."""
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        return {0: mine}
+
+    def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
+        pass
+
+    def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:  # pragma: no cover - rank 0 only
+        raise AssertionError("a world of one has no other rank")
+
+
+def poll_until(deadline: float, what: str, check: Callable[[], Optional[object]], max_delay: float = 0.1) -> object:
+    """Call ``check`` until it returns non-None; bounded by ``deadline`` (``time.monotonic()``).
+
+    Backs off to ``max_delay`` between looks, so that many ranks polling a
+    shared filesystem stay cheap for its metadata server.
+    """
+    delay = 0.005
+    while True:
+        v = check()
+        if v is not None:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, max_delay)
+
+
+class RecordBarrier(Barrier):
+    """Background saves: done records and the outcome on the root, polled (no collective)."""
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        root = job.dest.root
+        root.write_done(job.dest, job.rank, mine, deadline)
+        if job.rank != 0:
+            return {}
+        got: Dict[int, Done] = {}
+        delay = 0.005
+        while len(got) < job.world_size:
+            got.update(root.read_dones(job.dest, [r for r in range(job.world_size) if r not in got]))
+            if any(not d.ok for d in got.values()) or len(got) == job.world_size:
+                break  # a failure: no need to wait for the rest
+            if time.monotonic() > deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        return got
+
+    def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
+        job.dest.root.write_outcome(job.dest, outcome, deadline)
+
+    def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:
+        root = job.dest.root
+        found = poll_until(deadline + COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
+                           lambda: root.read_outcome(job.dest), max_delay=0.5)
+        assert isinstance(found, Outcome)
+        return found
+
+
+# --------------------------------------------------------------------------- the routine
+
+
+def commit(job: SaveJob, crcs: Crcs) -> None:
+    """Rank 0: commit the save of ``job`` once every rank's data is durable.
+
+    Raises before the commit point (nothing visible; the caller aborts) and
+    when ``latest`` cannot move (the commit is then taken back, so that what
+    is on disk equals what the caller is told).
+    """
+    dest, root = job.dest, job.dest.root
+    assert job.manifest is not None
+    manifest = job.manifest.with_crcs(crcs)
+    root.check_files(dest, {n: f.size for n, f in manifest.files.items()})
+    if dest.move_latest:
+        root.prepare_latest(dest)  # needs space: fails here, before the commit point, on a full disk
+    crash_point("commit.ready", dest.step)
+    root.publish(dest, manifest.to_json_bytes())
+    if not dest.move_latest:
         return
-    for n in names:
-        if n == RootLock.NAME:
-            continue
-        path = os.path.join(tmp, n)
-        if os.path.isfile(os.path.join(path, "outcome.json")):
-            # the records of a finished background save, kept until every rank had read them
-            log.debug("removing the records of a finished save: %s", path)
-        else:
-            log.info("removing leftover %s from an interrupted save", path)
-        storage.remove_tree(path)
-
-
-def check_root(root: str) -> None:
-    if os.path.exists(root) and not os.path.isdir(root):
-        raise CheckpointSaveError(f"checkpoint root {root!r} exists and is not a directory")
-
-
-# --------------------------------------------------------------------------- targets
-
-
-class Target:
-    """Where one save goes: a staging directory, and how rank 0 commits it.
-
-    Targets are plain picklable objects (they travel to the writer process).
-    """
-
-    staging: str
-    final: str
-    save_id: Optional[str] = None  # set once the save is planned
-
-    def prepare(self) -> None:
-        """Rank 0, before the plan: check the destination, drop stale staging data."""
-        raise NotImplementedError
-
-    def data_name(self, name: str) -> str:
-        """What a planned data file is called in the checkpoint (object storage makes each save's names unique)."""
-        return name
-
-    def open_staging(self) -> None:
-        """Every rank, once the plan is valid: the staging directory rank 0 made must still be there."""
-        check_staging(self.staging)
-
-    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
-        """Rank 0, once every rank's data is durable: the commit (see :func:`publish`)."""
-        raise NotImplementedError
-
-    def point_latest(self) -> None:
-        """Rank 0, right after the commit point: move the ``latest`` pointer. Never raises."""
-
-    def retain(self) -> None:
-        """Rank 0, after the outcome is published: retention. Never raises."""
-
-    def abort(self) -> None:
-        """Rank 0, after a failure: remove the staging directory."""
-        storage.remove_tree(self.staging)
-
-
-class NoTarget(Target):
-    """Planning only (``CheckpointManager.prepare``): nothing is written."""
-
-    staging = final = "<none>"
-
-    def prepare(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-
-class StepTarget(Target):
-    """``<root>/step_<N>`` of a manager: commit, ``latest``, then retention."""
-
-    def __init__(self, root: str, step: int, keep_last: Optional[int]) -> None:
-        self.root = root
-        self.step = step
-        self.keep_last = keep_last
-        self.staging = staging_dir(root, step)
-        self.final = step_dir(root, step)
-
-    def prepare(self) -> None:
-        check_root(self.root)
-        os.makedirs(self.root, exist_ok=True)
-        remove_stale_staging(self.root, self.step)
-        os.makedirs(self.staging)
-
-    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
-        publish(self.staging, self.final, manifest, files, _trash_path(self.root), self.step)
-        self.point_latest()
-
-    def point_latest(self) -> None:
+    above = [s for s in root.steps() if dest.step is not None and s > dest.step]
+    if above:
+        log.warning("committed step %s while step(s) %s from an earlier run exist under %s; `latest` now "
+                    "names %s, and those steps are replaced as training reaches them", dest.step, above, root.url,
+                    dest.step)
+    try:
+        root.move_latest(dest)
+    except Exception as e:
+        # `latest` must never lag a committed step without an error: take the commit back
         try:
-            above = [s for s in committed_steps(self.root) if s > self.step]
-            if above:
-                log.warning(
-                    "committed step %d while step(s) %s from an earlier run exist under %s; `latest` now "
-                    "names %d, and those steps are replaced as training reaches them",
-                    self.step, above, self.root, self.step,
-                )
-            update_latest(self.root, self.step)
-        except OSError as e:  # committed; latest_step() falls back to scanning
-            log.warning("step %d is committed but updating %s failed: %s", self.step, LATEST, e)
-
-    def retain(self) -> None:
-        try:
-            apply_retention(self.root, self.keep_last, self.step)
-        except OSError as e:  # the checkpoint is committed; retention is best effort
-            log.warning("retention after step %d failed: %s", self.step, e)
-
-
-class PathTarget(Target):
-    """A one-shot save to a directory of its own (``nostall.save``)."""
-
-    def __init__(self, path: str) -> None:
-        self.final = os.path.abspath(path)
-        parent, name = os.path.split(self.final)
-        self.staging = os.path.join(parent, f".{name}.nostall-tmp")
-
-    def prepare(self) -> None:
-        if os.path.exists(self.final) and not is_committed(self.final):
+            root.unpublish(dest)
+        except Exception as e2:
             raise CheckpointSaveError(
-                f"{self.final} exists and is not a nostall checkpoint; refusing to replace it"
-            )
-        os.makedirs(os.path.dirname(self.final), exist_ok=True)
-        if os.path.exists(self.staging):
-            storage.remove_tree(self.staging)
-        os.makedirs(self.staging)
-
-    def publish(self, manifest: bytes, files: Mapping[str, int]) -> None:
-        parent, name = os.path.split(self.final)
-        publish(self.staging, self.final, manifest, files, os.path.join(parent, f".{name}.nostall-old-{uuid.uuid4().hex}"))
+                f"{dest.path} is committed but `latest` could not be moved to it ({describe(e)}), and taking the "
+                f"commit back failed too ({describe(e2)}): `latest` still names the previous step; fix the "
+                f"cause, then save again"
+            ) from e
+        raise CheckpointSaveError(f"`latest` could not be moved to step {dest.step} ({describe(e)}); the commit "
+                                  "was taken back and the previous checkpoint stays latest") from e
 
 
-class RootLock:
-    """Rank 0's claim on a run root for a manager's lifetime (``<root>/.tmp/.lock``).
+def _decide(job: SaveJob, dones: Dict[int, Done]) -> Outcome:
+    """Rank 0: commit if every rank succeeded, else abort; the save's outcome."""
+    failures = [d.error for _, d in sorted(dones.items()) if not d.ok]
+    missing = [r for r in range(job.world_size) if r not in dones]
+    if missing and not failures:
+        failures.append(f"rank(s) {missing} did not finish writing within {job.timeout:.0f}s")
+    if not failures:
+        crcs: Crcs = {}
+        for d in dones.values():
+            crcs.update(d.crcs)
+        try:
+            commit(job, crcs)
+            return Outcome(True)
+        except Exception as e:
+            failures.append(f"rank 0: commit of {job.dest.path} failed: {describe(e)}")
+    try:
+        job.dest.root.abort(job.dest)
+    except Exception as e:
+        log.warning("could not remove the staging of step %s: %s", job.step, e)
+    return Outcome(False, f"save of step {job.step} failed: " + "; ".join(failures))
 
-    An advisory ``flock``, released by the kernel when its holder dies, so a
-    crashed job never leaves a stale claim. The holder writes its host, pid
-    and start time into the file, so a refused second job can say who holds it.
-    Only the holder saves and cleans up leftovers.
 
-    On a shared filesystem without lock support (NFS mounted ``nolock`` or
-    without lockd, Lustre without ``-o flock``) ``flock`` fails with
-    ENOLCK / ENOSYS / EOPNOTSUPP: the claim is then taken without the
-    cross-job guard (``supported`` is False), with a warning, as on object
-    storage. Only a lock held by another process refuses the root.
+def _after_commit(job: SaveJob) -> None:
+    """Rank 0, once every rank can know the outcome: retention, then the sweep. Never raises."""
+    dest, root = job.dest, job.dest.root
+    if dest.step is None:
+        return
+    try:
+        for s in steps_to_delete(root.steps(), dest.keep_last, dest.step):
+            root.delete_step(s)
+    except Exception as e:  # the checkpoint is committed; retention is best effort
+        log.warning("retention after step %s failed: %s", dest.step, e)
+    root.sweep(dest)
+
+
+def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
+    """One rank's part of one save: write, report, and (rank 0) commit; never raises.
+
+    ``write`` writes the job's files into the staging directory it is given
+    and returns their checksums.
     """
+    t0 = time.perf_counter()
+    deadline = time.monotonic() + job.timeout
+    dest, root = job.dest, job.dest.root
+    res = JobResult(job.save_id, ok=False)
+    names = [f.name for f in job.files]
+    try:
+        if job.faults.writer_delay_s:
+            time.sleep(job.faults.writer_delay_s)
+        staging = root.open_staging(dest, job.rank)
+        job.faults.check_write(staging)
+        crash_point("write.start", job.step)
+        crcs = write(job, staging)
+        res.bytes_written = sum(f.size for f in job.files)
+        root.upload(dest, job.rank, names, deadline)
+        mine = Done(True, {(root.data_name(dest, n), s, e): c for (n, s, e), c in crcs.items()})
+    except Exception as e:
+        mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
+        log.error("%s", mine.error)
+        root.remove_own_files(dest, job.rank, names)  # first: on a full disk, the done record needs the space
+    res.write_s = time.perf_counter() - t0
+    crash_point("write.done", job.step)
+    t1 = time.perf_counter()
+    try:
+        dones = barrier.gather(job, mine, deadline)
+        if job.rank == 0:
+            outcome = _decide(job, dones)
+            barrier.announce(job, outcome, deadline + COMMIT_SLACK_S / 4)
+            if outcome.ok:
+                _after_commit(job)  # after the other ranks can know the outcome
+        else:
+            outcome = barrier.await_outcome(job, deadline)
+    except Exception as e:
+        outcome = Outcome(False, f"rank {job.rank}: {describe(e)}")
+        if job.rank == 0:  # the outcome is unknown to the others: this save must not commit later
+            try:
+                root.abort(dest)
+            except Exception:
+                pass
+    res.commit_s = time.perf_counter() - t1
+    res.ok = outcome.ok
+    if not res.ok:
+        if mine.ok:  # a failed write already removed its files
+            root.remove_own_files(dest, job.rank, names)
+        res.error = outcome.error or "unknown error"
+        if not mine.ok and mine.error not in res.error:
+            res.error = f"{mine.error}; {res.error}"
+    return res
 
-    NAME = ".lock"
-    _UNSUPPORTED = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
 
-    def __init__(self, root: str) -> None:
-        os.makedirs(os.path.join(root, TMP_DIR), exist_ok=True)
-        self.path = os.path.join(root, TMP_DIR, self.NAME)
-        self.fd: Optional[int] = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        self.supported = True
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.held = True
-        except OSError as e:
-            if e.errno not in self._UNSUPPORTED:
-                self.held = False
-                return
-            self.held, self.supported = True, False
-            log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
-                        "second job on this root: make sure one job saves to it at a time", root, e)
-        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, owner, 0)
+def _committed_here(job: SaveJob) -> bool:
+    """Did the commit point of ``job`` pass? True only if the checkpoint in place holds exactly
+    the manifest this job commits (an older checkpoint of the same step does not count)."""
+    assert job.manifest is not None
+    dones = job.dest.root.read_dones(job.dest, range(job.world_size))
+    if len(dones) != job.world_size or not all(d.ok for d in dones.values()):
+        return False
+    crcs: Crcs = {}
+    for d in dones.values():
+        crcs.update(d.crcs)
+    try:
+        expected = job.manifest.with_crcs(crcs).to_json_bytes()
+    except ValueError:
+        return False
+    return job.dest.root.manifest_bytes(job.dest.name) == expected
 
-    def owner(self) -> str:
-        """Who holds the lock, as its holder wrote it (best effort)."""
-        try:
-            with open(self.path, "rb") as f:
-                info = json.loads(f.read(4096) or b"{}")
-            return f"pid {info['pid']} on host {info['host']} (since {info['since']})"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "an unknown process"
 
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # releases the flock
-            self.fd = None
+def recover(job: SaveJob, why: str, timeout: float) -> JobResult:
+    """The trainer's side, after its writer died with ``job`` in flight: settle the job for everyone.
+
+    Records a failed done record for this rank (so that rank 0 stops waiting)
+    unless one is there; rank 0 then decides: committed if the checkpoint in
+    place is this save's (its writer died past the commit point: ``latest``
+    and retention are finished here), else aborted. Other ranks wait for
+    rank 0's outcome.
+    """
+    dest, root = job.dest, job.dest.root
+    res = JobResult(job.save_id, False, why)
+    deadline = time.monotonic() + timeout
+    try:
+        if job.rank not in root.read_dones(dest, [job.rank]):
+            root.write_done(dest, job.rank, Done(False, error=why), deadline)
+        if job.rank == 0:
+            outcome = root.read_outcome(dest)
+            if outcome is None:
+                if _committed_here(job):
+                    outcome = Outcome(True)
+                    if dest.move_latest:
+                        try:
+                            root.move_latest(dest)
+                        except Exception as e:
+                            root.unpublish(dest)
+                            outcome = Outcome(False, f"save of step {job.step} failed: {why}; `latest` could "
+                                                     f"not be moved ({describe(e)}), the commit was taken back")
+                else:
+                    root.abort(dest)
+                    outcome = Outcome(False, f"save of step {job.step} failed: {why}")
+                root.write_outcome(dest, outcome, deadline)
+                if outcome.ok:
+                    _after_commit(job)
+        else:
+            try:
+                found = poll_until(deadline, "rank 0's outcome", lambda: root.read_outcome(dest), max_delay=0.5)
+                assert isinstance(found, Outcome)
+                outcome = found
+            except TimeoutError:
+                outcome = Outcome(False, f"{why}; rank 0 did not record an outcome either")
+        res.ok = outcome.ok
+        res.error = None if outcome.ok else (outcome.error if why in outcome.error else f"{why}; {outcome.error}")
+    except Exception as e:
+        res.error = f"{why}; recording the failure also failed: {describe(e)}"
+    return res

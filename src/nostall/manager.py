@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import atexit
 import collections
-import hashlib
 import logging
-import mmap
-import os
 import signal
-import tempfile
 import threading
 import time
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-from . import commit, commit_remote, remote, storage
 from ._comm import Comm, make_comm
+from ._faults import Faults
 from .background import BackgroundWriter
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from .format import DEFAULT_BLOCK_SIZE
 from .handles import SaveHandle, SaveStats
+from .jobs import Destination
 from .loading import load_state
+from .options import Options
+from .roots import Claim, open_root, step_name
 from .saving import PendingSave, Saver
 
 log = logging.getLogger("nostall")
@@ -77,9 +76,10 @@ class CheckpointManager:
         local_staging_dir: object storage: where each rank's writer stages its
             files before uploading them (default: a directory under the
             system temp dir). Node-local disk is best.
-        fallback_sync: object storage: save synchronously (write, upload and
-            commit inside ``save()``), as the seed's system did. Off by default:
-            async saves upload in the background like local ones.
+        fallback_sync: save synchronously even when ``async_save`` is set
+            (write, upload and commit inside ``save()``), as the seed's system
+            did for object storage. Off by default: async saves upload in the
+            background like local ones.
         overlap: async saves only: ``save()`` returns after the plan, and the
             copy into host memory runs in a thread while training goes on.
             The state must not change until :meth:`wait_until_staged` returns;
@@ -89,6 +89,9 @@ class CheckpointManager:
             staging area may take. A rank's state larger than this goes
             through the area in chunks, written as they come: ``save()`` then
             blocks until all but the last chunks are written.
+        options: all of the above as one :class:`~nostall.Options` value
+            (shared with ``Strategy``); when given, the keyword arguments
+            above are ignored.
 
     One manager saves to a root at a time: creating a second (not read-only)
     manager on a root that another live manager holds raises
@@ -120,56 +123,43 @@ class CheckpointManager:
         fallback_sync: bool = False,
         overlap: bool = False,
         staging_budget_bytes: Optional[int] = None,
+        options: Optional[Options] = None,
     ) -> None:
-        if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive int or None, got {keep_last!r}")
-        if timeout <= 0:
-            raise ValueError("timeout must be positive")
-        if errors not in ("raise", "log"):
-            raise ValueError("errors must be 'raise' or 'log'")
-        if block_size <= 0 or block_size % 8:
-            raise ValueError("block_size must be a positive multiple of 8")
-        if staging_budget_bytes is not None and (isinstance(staging_budget_bytes, bool) or
-                                                 not isinstance(staging_budget_bytes, int) or
-                                                 staging_budget_bytes < 4 * block_size):
-            raise ValueError(f"staging_budget_bytes must be an int of at least 4 x block_size "
-                             f"({4 * block_size}), got {staging_budget_bytes!r}")
-        self.overlap = bool(overlap)
-        # the area is mapped in whole pages: a budget is one
-        self.staging_budget_bytes = (None if staging_budget_bytes is None
-                                     else staging_budget_bytes - staging_budget_bytes % mmap.PAGESIZE)
-        self._hooks: List[Any] = []
-        self.remote = remote.is_remote(root)
-        self.root = str(root).rstrip("/") if self.remote else os.path.abspath(os.fspath(root))
-        self.storage_options = storage_options
-        self.fallback_sync = bool(fallback_sync)
-        self.keep_last = keep_last
-        self.timeout = float(timeout)
-        self.async_save = bool(async_save) and not read_only
+        if options is None:
+            options = Options(
+                keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
+                block_size=block_size, storage_options=storage_options, local_staging_dir=local_staging_dir,
+                fallback_sync=fallback_sync, overlap=overlap, staging_budget_bytes=staging_budget_bytes,
+            )
+        if read_only and options.async_save:
+            options = options.but(async_save=False)
+        self.options = options
         self.read_only = bool(read_only)
-        self.errors = errors
+        self._faults = Faults()  # tests arm it; inert otherwise
+        self._root = open_root(root, storage_options=options.storage_options, local_staging=options.local_staging_dir,
+                               timeout=self.options.timeout, faults=self._faults)
+        self.root = self._root.url
+        self._hooks: List[Any] = []
         self._lock = threading.RLock()
         self._closed = False
         self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
-        self._root_lock: Optional[commit.RootLock] = None
-        self._last_records: Optional[str] = None
+        self._claim: Optional[Claim] = None
+        self._last_records: Optional[str] = None  # save id of the last async save, whose records rank 0 drops
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
-        self._comm: Comm = make_comm(process_group, self.timeout, own_group=True)
-        self._local_staging = local_staging_dir or os.path.join(
-            tempfile.gettempdir(), "nostall-staging", hashlib.sha1(self.root.encode()).hexdigest()[:12]
-        )
+        self._sigterm_installed = False
+        self._comm: Comm = make_comm(process_group, self.options.timeout, own_group=True)
         try:
-            self._saver = Saver(self._comm, block_size, self.timeout)
+            self._saver = Saver(self._comm, self.options, self._faults)
             if not self.read_only:
                 self._claim_root()
-            if self.async_save:
-                self._writer = BackgroundWriter(self._comm.rank, self.timeout)
+            if self.options.async_save:
+                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout)
         except BaseException:
-            if self._root_lock is not None:
-                self._root_lock.release()
+            if self._claim is not None:
+                self._claim.release()
             self._comm.close()
             raise
         ref = weakref.ref(self)
@@ -181,33 +171,37 @@ class CheckpointManager:
 
         self._at_exit = at_exit
         atexit.register(at_exit)
-        if self.async_save and threading.current_thread() is threading.main_thread():
+        if self.options.async_save and threading.current_thread() is threading.main_thread():
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, _sigterm_to_exit)
+                self._sigterm_installed = True
+
+    @property
+    def async_save(self) -> bool:
+        return self.options.async_save
+
+    @property
+    def keep_last(self) -> Optional[int]:
+        return self.options.keep_last
+
+    @property
+    def timeout(self) -> float:
+        return self.options.timeout
 
     def _claim_root(self) -> None:
         """Rank 0 claims the root (or finds why it cannot); every rank raises the same error."""
         error: Optional[str] = None
-        if self.remote:
-            if self._comm.rank == 0:
-                log.info("%s: object storage has no cross-job lock; make sure one job saves to it at a time",
-                         self.root)
-            return
         if self._comm.rank == 0:
             try:
-                commit.check_root(self.root)
-                os.makedirs(self.root, exist_ok=True)
-                lock = commit.RootLock(self.root)
-                if lock.held:
-                    self._root_lock = lock
-                    commit.clean_leftovers(self.root)
+                claim = self._root.claim()
+                if claim.held:
+                    self._claim = claim
                 else:
                     error = (
                         f"checkpoint root {self.root} is in use by another CheckpointManager: "
-                        f"{lock.owner()}. Two jobs must not save to one root; to only read its "
+                        f"{claim.owner}. Two jobs must not save to one root; to only read its "
                         "checkpoints, pass read_only=True"
                     )
-                    lock.release()
             except (OSError, CheckpointError) as e:
                 error = f"cannot use checkpoint root {self.root}: {e}"
         if self._comm.size > 1:
@@ -232,13 +226,11 @@ class CheckpointManager:
 
     def path_for(self, step: int) -> str:
         """Directory (or URL) of the checkpoint of ``step`` (committed or not)."""
-        return commit_remote.join(self.root, f"step_{step}") if self.remote else commit.step_dir(self.root, step)
+        return self._root.path(step_name(step))
 
     def steps(self) -> List[int]:
         """Steps of the committed checkpoints, ascending."""
-        if self.remote:
-            return commit_remote.committed_steps(self.root, self.storage_options)
-        return commit.committed_steps(self.root)
+        return self._root.steps()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None. A pending save is not counted.
@@ -246,9 +238,7 @@ class CheckpointManager:
         Normally the highest step; after resuming from an older step and saving,
         the step saved last (``latest`` names it).
         """
-        if self.remote:
-            return commit_remote.latest_step(self.root, self.storage_options)
-        return commit.latest_step(self.root)
+        return self._root.latest_step()
 
     def stats(self) -> List[SaveStats]:
         """Stats of this manager's committed saves, oldest first."""
@@ -262,12 +252,12 @@ class CheckpointManager:
         """
         with self._lock:
             self._check_open(writing=True)
-            p = self._saver.prepare(state, commit.NoTarget(), None)
+            plan = self._saver.plan(state)
             if self._writer is not None:
                 from .staging import layout
 
-                _, size = layout(p.plan.files_of(self.rank))
-                budget = self.staging_budget_bytes
+                _, size = layout(plan.files_of(self.rank))
+                budget = self.options.staging_budget_bytes
                 self._writer.ensure_alive()
                 self._writer.area.ensure(min(size, budget or size), cap=budget)
                 self._writer.attach_if_needed()
@@ -294,44 +284,35 @@ class CheckpointManager:
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        use_async = self.async_save if async_save is None else bool(async_save)
-        if self.remote and self.fallback_sync:
+        use_async = self.options.async_save if async_save is None else bool(async_save)
+        if self.options.fallback_sync:
             use_async = False
         t_call = time.perf_counter()
         with self._lock:
             self._check_open(writing=True)
             self.finalize_pending_saves()
-            target = self._target(step)
+            dest = Destination(self._root, step_name(step), step, "", move_latest=True,
+                               keep_last=self.options.keep_last)
             if not use_async:
-                stats = self._saver.save(state, target, step, t_call)
+                stats = self._saver.save(state, dest, t_call)
                 self._stats.append(stats)
-                handle = SaveHandle(step, target.final)
+                handle = SaveHandle(step, dest.path)
                 handle._set_result(stats)
                 return handle
             if self._writer is None:
-                self._writer = BackgroundWriter(self._comm.rank, self.timeout)
-            records = (commit_remote.join(self.root, commit.TMP_DIR, "commit-") if self.remote
-                       else os.path.join(self.root, commit.TMP_DIR, "commit-"))
-            use_overlap = self.overlap if overlap is None else bool(overlap)
-            pending = self._saver.save_async(state, target, step, records, self._writer, t_call,
-                                             overlap=use_overlap, budget=self.staging_budget_bytes,
+                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout)
+            use_overlap = self.options.overlap if overlap is None else bool(overlap)
+            pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
                                              stage_now=_key_filter(stage_now))
-            if self.rank == 0 and self._last_records is not None and not self.remote:
+            if self.rank == 0 and self._last_records is not None:
                 # every rank finished waiting for the previous save before this one's plan
-                # (on object storage, rank 0's writer sweeps them after its commit: no remote call here)
-                storage.remove_tree(self._last_records)
-            self._last_records = pending.job.records
-            handle = SaveHandle(step, target.final, driver=self._drive, peek=self._peek, reported=self._reported)
+                self._root.drop_records(self._last_records)
+            self._last_records = pending.job.save_id
+            handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
+                                reported=self._reported)
             self._pending = (pending, handle)
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
-
-    def _target(self, step: int) -> Any:
-        if self.remote:
-            local = os.path.join(self._local_staging, f"rank{self.rank}")
-            return commit_remote.RemoteStepTarget(self.root, step, self.keep_last, local, self.storage_options,
-                                                  self.timeout)
-        return commit.StepTarget(self.root, step, self.keep_last)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -342,7 +323,7 @@ class CheckpointManager:
         if self._pending is None:
             return
         pending, handle = self._pending
-        pending.wait_staged(self.timeout if timeout is None else timeout)
+        pending.wait_staged(self.options.timeout if timeout is None else timeout)
         if pending.failed is not None:
             result = pending.failed
         else:
@@ -355,7 +336,7 @@ class CheckpointManager:
                 raise
         self._pending = None
         try:
-            stats = self._saver.complete(pending, result, handle.path)
+            stats = self._saver.complete(pending, result)
         except CheckpointSaveError as e:
             handle._set_exception(e)
             self._unraised = e
@@ -399,7 +380,7 @@ class CheckpointManager:
         """
         pending = self._pending
         if pending is not None:
-            pending[0].wait_staged(self.timeout if timeout is None else timeout)
+            pending[0].wait_staged(self.options.timeout if timeout is None else timeout)
 
     def attach(self, optimizer: Any) -> Any:
         """Make ``optimizer.step()`` wait until the pending save's state is copied (overlap).
@@ -432,7 +413,7 @@ class CheckpointManager:
             self._settle(timeout)
             if self._unraised is not None:
                 e, self._unraised = self._unraised, None
-                if self.errors == "raise":
+                if self.options.errors == "raise":
                     raise e
                 log.error("%s (errors='log': training goes on)", e)
 
@@ -451,6 +432,9 @@ class CheckpointManager:
                 step = self.latest_step()
                 if step is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+            elif not self._root.is_checkpoint(step_name(step)):
+                raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
+                                              f"checkpoint of step {step} (committed steps: {self.steps()})")
             return load_state(
                 state,
                 self.path_for(step),
@@ -458,8 +442,8 @@ class CheckpointManager:
                 world_size=self._comm.size,
                 verify=verify,
                 per_rank=per_rank,
-                storage_options=self.storage_options,
-                timeout=self.timeout,
+                storage_options=self.options.storage_options,
+                timeout=self.options.timeout,
             )
 
     # ------------------------------------------------------------------ lifetime
@@ -484,13 +468,19 @@ class CheckpointManager:
                     h.remove()
                 self._hooks.clear()
                 atexit.unregister(self._at_exit)
+                if self._sigterm_installed and signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
+                    try:
+                        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ours only while a save can be pending
+                    except ValueError:  # not the main thread: left as it is
+                        pass
+                    self._sigterm_installed = False
                 if self._writer is not None:
                     # A job still in flight here timed out above (e.g. rank 0's host died, so its outcome
                     # never comes): the writer would answer "stop" only after its own bounded waits. It is
                     # killed at once instead (a crash at any point is safe), so close() stays within its bound.
                     self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
-                if self._root_lock is not None:
-                    self._root_lock.release()
+                if self._claim is not None:
+                    self._claim.release()
                 self._comm.close()
 
     def _close_at_exit(self) -> None:
@@ -512,5 +502,6 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
-        mode = "async" if self.async_save else "sync"
-        return f"CheckpointManager({self.root!r}, rank={self.rank}/{self.world_size}, {mode}, keep_last={self.keep_last})"
+        mode = "async" if self.options.async_save else "sync"
+        return (f"CheckpointManager({self.root!r}, rank={self.rank}/{self.world_size}, {mode}, "
+                f"keep_last={self.options.keep_last})")

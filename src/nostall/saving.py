@@ -4,59 +4,61 @@
 phases are collective and the same for synchronous and asynchronous saves:
 
 1. flatten the state and exchange outcomes (every rank raises the same error,
-   naming the failing rank, before anything is written);
+   naming the failing rank, before anything is written); rank 0 draws the
+   save's id and makes its staging on the root;
 2. plan (cached while every rank's structure is unchanged).
 
-Then a synchronous save writes the files in the trainer, exchanges outcomes
-and checksums, and rank 0 commits. An asynchronous save copies the file images
-into the staging area and hands a job to the rank's writer process; the
-commit then happens in the background without any collective (docs/protocol.md).
+Then both run the same save job (:func:`nostall.commit.run_job`): a
+synchronous save inline, its bytes read straight from the tensors and the
+ranks meeting through collectives (:class:`CollectiveBarrier`); an
+asynchronous one in the rank's writer process, after :class:`Staging` copied
+the file images into the staging area, the ranks meeting through records on
+the root (docs/protocol.md).
 
-Two variants of the copy (docs/overlap.md): *overlapped*, where a staging
-thread copies while training goes on and the caller must wait for it
-(``PendingSave.wait_staged``) before mutating the state; and *budgeted*,
-where a state larger than the host-memory budget goes through the area in
-chunks that the writer writes as they come.
+:class:`Staging` holds the three ways of copying (docs/overlap.md), each a
+method: :meth:`~Staging.whole` (all of it before ``save()`` returns, or in a
+thread while training goes on: *overlapped*), :meth:`~Staging.chunked` (a
+state larger than the host-memory budget goes through the area in chunks
+that the writer writes as they come), and :meth:`~Staging.fail`, the
+failure path shared by all three.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ._comm import Comm
-from ._faults import crash_point
+from ._faults import Faults, crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
-from .commit import Target
-from .errors import CheckpointSaveError, InvalidStateError, describe
-from .format import DEFAULT_BLOCK_SIZE, FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
+from .commit import Barrier, run_job, write_files
+from .errors import CheckpointError, CheckpointSaveError, InvalidStateError, describe
+from .format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
 from .handles import SaveStats
+from .jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
 from .model import FlatState, flatten
+from .options import Options
 from .planning import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
 from .staging import cut_chunks, layout
-from .writer import (
-    CommitJob, Crcs, FileJob, JobResult, SaveJob, done_record, outcome_record, write_file_image, write_record,
-)
 
 log = logging.getLogger("nostall")
 
 
-def _raise_failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int], cls: type) -> None:
+def _failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int], cls: type) -> Optional[Exception]:
+    """The error naming every rank whose outcome is an error message, or None."""
     failed = [(r, msg) for r, msg in enumerate(outcomes) if msg]
     if not failed:
-        return
+        return None
     where = f"step {step}" if step is not None else "checkpoint"
     details = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-    raise cls(f"{what} of {where} failed on rank(s) {[r for r, _ in failed]}: {details}")
+    return cls(f"{what} of {where} failed on rank(s) {[r for r, _ in failed]}: {details}")
 
 
 def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
@@ -66,12 +68,34 @@ def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
     return flat.tensors[item.key].data
 
 
+def _file_jobs(files: Sequence[FilePlan], offsets: Optional[Sequence[int]] = None) -> Tuple[FileJob, ...]:
+    return tuple(FileJob(f.name, offsets[i] if offsets else 0, f.size, len(f.header),
+                         tuple((it.start, it.end) for it in f.items)) for i, f in enumerate(files))
+
+
+class CollectiveBarrier(Barrier):
+    """Synchronous saves: the ranks meet through collectives over the manager's group."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        return dict(enumerate(self.comm.all_gather(mine)))
+
+    def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
+        self.comm.broadcast(outcome, src=0)
+
+    def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:
+        outcome = self.comm.broadcast(None, src=0)
+        assert isinstance(outcome, Outcome)
+        return outcome
+
+
 @dataclass
 class Prepared:
     """A save after its collective phases: what to write, and what rank 0 commits."""
 
-    step: Optional[int]
-    save_id: str
+    dest: Destination
     flat: FlatState
     plan: SavePlan
     objects: Dict[str, Any]
@@ -80,6 +104,10 @@ class Prepared:
     t0: float
     t_plan: float
 
+    @property
+    def step(self) -> Optional[int]:
+        return self.dest.step
+
 
 @dataclass
 class PendingSave:
@@ -87,10 +115,9 @@ class PendingSave:
 
     prepared: Prepared
     job: SaveJob
-    stall_s: float
-    wait_s: float
-    stage_s: float
     t_start: float
+    stall_s: float = 0.0
+    stage_s: float = 0.0
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
     staging: Optional[threading.Thread] = None  # overlap: the thread still copying
     staged_wait_s: float = 0.0  # overlap: how long the caller waited for the copy
@@ -107,41 +134,130 @@ class PendingSave:
         t.join(timeout)
         self.staged_wait_s += time.perf_counter() - t0
         if t.is_alive():
-            from .errors import CheckpointError
-
             raise CheckpointError(f"rank {self.job.rank}: staging step {self.job.step} still running after "
                                   f"{timeout:.0f}s")
         self.staging = None
 
 
-def _renamed_crcs(crcs: Crcs, target: Target) -> Crcs:
-    """Checksums keyed by the data files' names in the checkpoint (see Target.data_name)."""
-    return {(target.data_name(n), s, e): c for (n, s, e), c in crcs.items()}
+class Staging:
+    """The copy of one asynchronous save into the staging area, and its hand-over to the writer.
 
+    One of :meth:`whole` or :meth:`chunked` runs (in a thread when
+    overlapped); any failure goes through :meth:`fail`.
+    """
 
-def _uploads(target: Target) -> bool:
-    """Object-storage targets: each rank stages its files locally, then uploads them."""
-    return hasattr(target, "upload")
+    def __init__(self, pending: PendingSave, writer: BackgroundWriter, files: Sequence[FilePlan],
+                 budget: Optional[int], faults: Faults) -> None:
+        self.pending = pending
+        self.writer = writer
+        self.files = files
+        self.budget = budget
+        self.faults = faults
+        self.t0 = time.perf_counter()
+
+    def source(self, item: WriteItem) -> torch.Tensor:
+        return source_tensor(self.pending.prepared.flat, item)
+
+    def whole(self, now: Optional[Callable[[WriteItem], bool]]) -> Optional[Callable[[], None]]:
+        """Copy the headers and the items ``now`` selects (all when None); returns the rest of the
+        work (copy the others, hand the job over), or None when it failed."""
+        job, area = self.pending.job, self.writer.area
+        try:
+            area.record_fences([self.source(i) for f in self.files for i in f.items])
+            jobs, rest = area.stage(self.files, self.source, now, cap=self.budget)
+        except BaseException as e:
+            self.fail(e)
+            return None
+        job.files = jobs
+        self.pending.staging_bytes = area.size
+
+        def finish() -> None:
+            try:
+                time.sleep(self.faults.stage_delay_s)
+                rest()
+                crash_point("staged", job.step)
+                self.writer.submit(job)
+            except BaseException as e:
+                self.fail(e)
+            finally:
+                self.pending.stage_s = time.perf_counter() - self.t0
+
+        return finish
+
+    def chunked(self) -> None:
+        """Copy the file images through the two halves of a budget-sized area, chunk by chunk."""
+        job, writer, budget = self.pending.job, self.writer, self.budget
+        assert budget is not None
+        submitted = False
+        try:
+            area = writer.area
+            area.record_fences([self.source(i) for f in self.files for i in f.items])
+            area.ensure(budget, cap=budget)
+            chunks = cut_chunks(self.files, area.half_size, job.block_size)
+            self.pending.chunks, self.pending.staging_bytes = len(chunks), area.size
+            job.files = _file_jobs(self.files)
+            job.chunked = True
+            writer.submit(job)
+            submitted = True
+            deadline = time.monotonic() + job.timeout
+            for k, cuts in enumerate(chunks):
+                time.sleep(self.faults.stage_delay_s)
+                if k >= 2 and not writer.wait_chunk_done(k - 2, deadline):
+                    return  # the writer failed the job; its result tells why
+                writer.send_chunk(k, area.stage_chunk(cuts, k % 2, self.files, self.source))
+            crash_point("staged", job.step)
+        except BaseException as e:
+            if submitted:  # the writer fails the job and reports, as for a failed write
+                log.error("rank %d: staging step %s failed: %s", job.rank, job.step, describe(e))
+                writer.abort_chunks(f"rank {job.rank}: {describe(e)}")
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                self.fail(e)
+        finally:
+            self.pending.stage_s = time.perf_counter() - self.t0
+
+    def fail(self, e: BaseException) -> None:
+        """Nothing reached the writer: record the failure so that no rank waits for this one.
+
+        It is reported like any other failure of this save, by the next
+        ``save()`` / ``finalize_pending_saves()`` on every rank.
+        SystemExit and KeyboardInterrupt are recorded, then let through.
+        """
+        job = self.pending.job
+        dest, root = job.dest, job.dest.root
+        msg = f"rank {job.rank}: staging step {job.step} failed: {describe(e)}"
+        log.error("%s", msg)
+        deadline = time.monotonic() + job.timeout
+        try:
+            root.write_done(dest, job.rank, Done(False, error=msg), deadline)
+            if job.rank == 0:
+                root.abort(dest)
+                root.write_outcome(dest, Outcome(False, msg), deadline)
+        except Exception as e2:
+            log.error("rank %d: could not record the failure: %s", job.rank, e2)
+        self.pending.failed = JobResult(job.save_id, False, msg)
+        if not isinstance(e, Exception):
+            raise e
 
 
 class Saver:
     """Runs saves over one Comm, caching the plan while the structure is unchanged."""
 
-    def __init__(self, comm: Comm, block_size: int = DEFAULT_BLOCK_SIZE, timeout: float = 600.0) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 8:
-            raise ValueError(f"block_size must be a positive multiple of 8, got {block_size!r}")
+    def __init__(self, comm: Comm, options: Options, faults: Optional[Faults] = None) -> None:
         self.comm = comm
-        self.block_size = block_size
-        self.timeout = timeout
+        self.options = options
+        self.faults = faults if faults is not None else Faults()
         self._plan: Optional[SavePlan] = None
-        self.test_writer_delay_s = 0.0  # test hook: slows the background writer down
-        self.test_writer_fault: Optional[str] = None  # test hook: see SaveJob.test_fault
-        self.test_stage_delay_s = 0.0  # test hook: slows the (overlapped) copy into host memory down
 
     # ------------------------------------------------------------------ collective phases
-    def prepare(self, state: Any, target: Target, step: Optional[int], t0: Optional[float] = None) -> Prepared:
+    def plan(self, state: Any) -> SavePlan:
+        """Plan ``state`` without saving it (collective)."""
+        return self._prepare(state, None, None, time.perf_counter(), records=False).plan
+
+    def _prepare(self, state: Any, template: Optional[Destination], step: Optional[int], t0: float,
+                 records: bool) -> Prepared:
         comm = self.comm
-        t0 = time.perf_counter() if t0 is None else t0
         state_err: Optional[str] = None
         target_err: Optional[str] = None
         flat = meta = None
@@ -154,40 +270,56 @@ class Saver:
             state_err = str(e)
         except Exception as e:  # anything else must reach the other ranks too
             state_err = f"unexpected error while inspecting the state: {describe(e)}"
-        if state_err is None and comm.rank == 0:
+        save_id = uuid.uuid4().hex if comm.rank == 0 else ""
+        dest = replace(template, save_id=save_id) if template is not None else None
+        made = False
+        if state_err is None and comm.rank == 0 and dest is not None:
             try:
-                target.prepare()
+                dest.root.make_staging(dest)
+                made = True
+                if records:
+                    dest.root.make_records(dest)
             except Exception as e:  # a storage back end may raise its own types: all must reach every rank
-                target_err = f"cannot save to {target.final}: {describe(e)}"
-        made_staging = comm.rank == 0 and state_err is None and target_err is None
+                target_err = f"cannot save to {dest.path}: {describe(e)}"
         try:
-            return self._plan_round(state_err, target_err, sig, flat, meta, step, t0)
-        except (InvalidStateError, CheckpointSaveError):
+            agreed, prepared = self._plan_round(state_err, target_err, sig, flat, meta, step, save_id, dest, t0)
+        except BaseException:  # a collective failed: the other ranks see it fail too
+            if made:
+                assert dest is not None
+                dest.root.abort(dest)
+                dest.root.drop_records(save_id)
+            raise
+        if agreed is not None:
             # raised alike on every rank (from the exchanged outcomes): the others raise only
-            # once rank 0 has removed this save's staging directory
-            if made_staging:
-                target.abort()
+            # once rank 0 has removed this save's staging
+            if made:
+                assert dest is not None
+                dest.root.abort(dest)
+                dest.root.drop_records(save_id)
             if comm.size > 1:
                 comm.broadcast(None)
-            raise
-        except BaseException:
-            if made_staging:
-                target.abort()
-            raise
+            raise agreed
+        assert prepared is not None
+        return prepared
 
     def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
-                    meta: Any, step: Optional[int], t0: float) -> Prepared:
-        """Exchange every rank's outcome and signature; plan (or reuse the cached plan)."""
+                    meta: Any, step: Optional[int], save_id: str, dest: Optional[Destination],
+                    t0: float) -> Tuple[Optional[Exception], Optional[Prepared]]:
+        """Exchange every rank's outcome and signature; plan (or reuse the cached plan).
+
+        Returns the error every rank raises alike (from the exchanged outcomes), or the prepared save.
+        """
         comm = self.comm
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
-        save_id = uuid.uuid4().hex if comm.rank == 0 else ""
         round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))
-        _raise_failures([r[0] for r in round1], "save", step, InvalidStateError)
-        _raise_failures([r[1] for r in round1], "save", step, CheckpointSaveError)
-        if len({r[4] for r in round1}) > 1:
-            raise InvalidStateError(
+        agreed = (_failures([r[0] for r in round1], "save", step, InvalidStateError)
+                  or _failures([r[1] for r in round1], "save", step, CheckpointSaveError))
+        if agreed is None and len({r[4] for r in round1}) > 1:
+            agreed = InvalidStateError(
                 "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
             )
+        if agreed is not None:
+            return agreed, None
         assert flat is not None and meta is not None
         sigs = tuple(r[2] for r in round1)
         cached = self._plan is not None and self._plan.signatures == sigs
@@ -195,228 +327,112 @@ class Saver:
             plan = self._plan
         else:
             self._plan = None
-            plan = build_plan(comm.all_gather(meta))
+            try:
+                plan = build_plan(comm.all_gather(meta))
+            except InvalidStateError as e:  # computed identically on every rank from the same metadata
+                return e, None
             self._plan = plan
         assert plan is not None
-        objects = check_objects([r[3][0] for r in round1])
-        return Prepared(
-            step, round1[0][5], flat, plan, objects, [r[3][1] for r in round1], cached, t0, time.perf_counter()
-        )
+        try:
+            objects = check_objects([r[3][0] for r in round1])
+        except InvalidStateError as e:
+            return e, None
+        if dest is None:  # planning only
+            dest = Destination(None, "", step, "")
+        return None, Prepared(replace(dest, save_id=round1[0][5]), flat, plan, objects, [r[3][1] for r in round1],
+                              cached, t0, time.perf_counter())
 
-    def _skeleton(self, p: Prepared, target: Target) -> Manifest:
-        return manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step, self.block_size).renamed(
-            target.data_name)
+    def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
+        manifest = None
+        if self.comm.rank == 0:
+            root = p.dest.root
+            manifest = manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
+                                         self.options.block_size).renamed(lambda n: root.data_name(p.dest, n))
+        return SaveJob(p.dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
+                       manifest=manifest, faults=self.faults)
 
     # ------------------------------------------------------------------ synchronous
-    def save(self, state: Any, target: Target, step: Optional[int], t_call: Optional[float] = None) -> SaveStats:
+    def save(self, state: Any, template: Destination, t_call: Optional[float] = None) -> SaveStats:
         """A synchronous save; returns once committed (collective).
 
+        ``template``: where it goes (its ``save_id`` is drawn here).
         ``t_call``: when the caller's ``save()`` began (before waiting for a
         previous save), for the stall figure.
         """
         comm = self.comm
         t_start = time.perf_counter()
-        p = self.prepare(state, target, step, t_call)
-        target.save_id = p.save_id
-        crash_point("planned", step)
-        crcs: Optional[Crcs] = None
-        nbytes = 0
-        err = None
-        try:
-            target.open_staging()
-            crcs = {}
-            for fp in p.plan.files_of(comm.rank):
-                crcs.update(
-                    write_file_image(
-                        os.path.join(target.staging, fp.name), fp.header, _tensor_parts(fp, p.flat),
-                        fp.size, self.block_size, fp.name,
-                    )
-                )
-                nbytes += fp.size
-            if _uploads(target):
-                target.upload([fp.name for fp in p.plan.files_of(comm.rank)])
-        except Exception as e:
-            err = f"writing into {target.staging}: {describe(e)}"
-            log.error("rank %d: save of step %s failed: %s", comm.rank, step, err)
-        t_write = time.perf_counter()
-        crash_point("written", step)
-        outcomes = comm.all_gather((err, crcs))
-        write_errors = [o[0] for o in outcomes]
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=False)
+        crash_point("planned", p.step)
+        files = p.plan.files_of(comm.rank)
+        job = self._job(p, _file_jobs(files))
 
-        commit_err: Optional[str] = None
-        if comm.rank == 0:
-            if any(write_errors):
-                target.abort()
-            else:
-                try:
-                    merged: Crcs = {}
-                    for o in outcomes:
-                        merged.update(o[1])
-                    crash_point("commit.ready", step)
-                    target.publish(self._skeleton(p, target).with_crcs(_renamed_crcs(merged, target)).to_json_bytes(),
-                                   {target.data_name(n): size for n, size in p.plan.file_sizes().items()})
-                except Exception as e:
-                    commit_err = f"commit of {target.final}: {describe(e)}"
-                    log.error("save of step %s: %s", step, commit_err)
-                    target.abort()
-        commit_err = comm.broadcast(commit_err, src=0)
-        if comm.rank == 0 and not commit_err and not any(write_errors):
-            target.retain()  # after every rank knows the outcome
-        _raise_failures(write_errors, "save", step, CheckpointSaveError)
-        if commit_err:
-            raise CheckpointSaveError(f"save of step {step} failed on rank 0: {commit_err}")
+        def source(i: int, f: FileJob) -> Tuple[memoryview, Iterator[Tuple[int, memoryview]]]:
+            return memoryview(files[i].header), _tensor_parts(files[i], p.flat)
+
+        result = run_job(job, write_files(source), CollectiveBarrier(comm))
+        if not result.ok:
+            raise CheckpointSaveError(_failure(p.step, result))
         t_end = time.perf_counter()
         stats = SaveStats(
-            step=step, rank=comm.rank, world_size=comm.size, async_save=False,
+            step=p.step, rank=comm.rank, world_size=comm.size, async_save=False,
             stall_s=t_end - p.t0, wait_s=t_start - p.t0, plan_s=p.t_plan - t_start, stage_s=0.0,
-            write_s=t_write - p.t_plan,
-            commit_s=t_end - t_write, total_s=t_end - p.t0, bytes_written=nbytes,
-            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
+            bytes_written=result.bytes_written, total_bytes=sum(f.size for f in p.plan.files.values()),
+            plan_cached=p.cached,
         )
-        _log_stats(stats, target.final)
+        _log_stats(stats, p.dest.path)
         return stats
 
     # ------------------------------------------------------------------ asynchronous
-    def save_async(self, state: Any, target: Target, step: Optional[int], records_prefix: str,
-                   writer: BackgroundWriter, t_call: Optional[float] = None, *, overlap: bool = False,
-                   budget: Optional[int] = None, stage_now: Optional[Callable[[str], bool]] = None,
-                   ) -> PendingSave:
+    def save_async(self, state: Any, template: Destination, writer: BackgroundWriter, t_call: Optional[float] = None,
+                   *, overlap: bool = False, stage_now: Optional[Callable[[str], bool]] = None) -> PendingSave:
         """Stage this rank's data and hand it to the writer (collective up to the plan).
 
-        The per-save records (done and outcome) go to ``records_prefix + save_id``.
         ``overlap``: the copy runs in a thread after this returns, except the
         keys ``stage_now`` selects; wait with :meth:`PendingSave.wait_staged`
-        before changing the state. ``budget``: the staging area's size limit in
-        bytes; a rank's state larger than that goes through it in chunks.
+        before changing the state. Under the options' staging budget, a
+        rank's state larger than that goes through the area in chunks.
         """
-        comm = self.comm
         t_start = time.perf_counter()
-        p = self.prepare(state, target, step, t_call)
-        target.save_id = p.save_id
-        crash_point("planned", step)
-        records = records_prefix + p.save_id
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=True)
+        crash_point("planned", p.step)
         writer.ensure_alive()
-        files = p.plan.files_of(comm.rank)
-        job = SaveJob(
-            save_id=p.save_id, step=step, rank=comm.rank, world_size=comm.size, staging=target.staging,
-            records=records, files=(), block_size=self.block_size, timeout=self.timeout,
-            commit=CommitJob(self._skeleton(p, target), target) if comm.rank == 0 else None,
-            writers=tuple(range(comm.size)), test_delay_s=self.test_writer_delay_s,
-            test_fault=self.test_writer_fault,
-            upload=target if _uploads(target) else None, storage_options=getattr(target, "storage_options", None),
-        )
-        if budget is not None:
-            budget -= budget % mmap.PAGESIZE  # the area is mapped (and resident) in whole pages
+        files = p.plan.files_of(self.comm.rank)
+        pending = PendingSave(p, self._job(p, ()), t_start=t_start)
+        budget = self.options.staging_budget_bytes
+        staging = Staging(pending, writer, files, budget, self.faults)
         chunked = budget is not None and layout(files)[1] > budget
         if chunked and stage_now is not None:
             overlap = False  # the selected keys cannot be copied ahead of the chunks: copy all of it now
-        t_stage = time.perf_counter()
-        pending = PendingSave(p, job, stall_s=0.0, wait_s=t_start - p.t0, stage_s=0.0, t_start=t_start)
-
-        delay = self.test_stage_delay_s
-
-        def source(item: WriteItem) -> torch.Tensor:
-            return source_tensor(p.flat, item)
-
-        def fail(e: BaseException) -> None:
-            # Nothing reaches the writer: record the failure so that no rank waits
-            # for us; it is reported like any other failure of this save, by the
-            # next save() / finalize_pending_saves() on every rank.
-            msg = f"rank {comm.rank}: staging step {step} failed: {describe(e)}"
-            log.error("%s", msg)
-            try:
-                so = job.storage_options
-                write_record(done_record(records, comm.rank), {"ok": False, "error": msg}, so)
-                if comm.rank == 0:
-                    target.abort()
-                    write_record(outcome_record(records), {"ok": False, "error": msg}, so)
-            except OSError as e2:
-                log.error("rank %d: could not record the failure: %s", comm.rank, e2)
-            pending.failed = JobResult(p.save_id, False, msg)
-
-        def finish_whole(rest: Callable[[], None]) -> None:
-            try:
-                time.sleep(delay)
-                rest()
-                crash_point("staged", step)
-                writer.submit(job)
-            except BaseException as e:
-                fail(e)
-                if not isinstance(e, Exception):
-                    raise  # SystemExit, KeyboardInterrupt: recorded, now let it through
-            finally:
-                pending.stage_s = time.perf_counter() - t_stage
-
-        def run_chunks() -> None:
-            submitted = False
-            try:
-                area = writer.area
-                area.ensure(budget, cap=budget)
-                chunks = cut_chunks(files, area.half_size, self.block_size)
-                pending.chunks, pending.staging_bytes = len(chunks), area.size
-                job.files = tuple(FileJob(f.name, 0, f.size, len(f.header), tuple((i.start, i.end) for i in f.items))
-                                  for f in files)
-                job.chunked = True
-                writer.submit(job)
-                submitted = True
-                deadline = time.monotonic() + self.timeout
-                for k, cuts in enumerate(chunks):
-                    time.sleep(delay)
-                    if k >= 2 and not writer.wait_chunk_done(k - 2, deadline):
-                        return  # the writer failed the job; its result tells why
-                    writer.send_chunk(k, area.stage_chunk(cuts, k % 2, files, source))
-                crash_point("staged", step)
-            except BaseException as e:
-                if submitted:  # the writer fails the job and reports, as for a failed write
-                    log.error("rank %d: staging step %s failed: %s", comm.rank, step, describe(e))
-                    writer.abort_chunks(f"rank {comm.rank}: {describe(e)}")
-                else:
-                    fail(e)
-                if not isinstance(e, Exception):
-                    raise
-            finally:
-                pending.stage_s = time.perf_counter() - t_stage
-
-        try:
-            writer.area.record_fences([source(i) for f in files for i in f.items])
-            if chunked:
-                work: Callable[[], None] = run_chunks
-            else:
-                now: Optional[Callable[[WriteItem], bool]] = None  # everything before returning
-                if overlap:
-                    now = (lambda item: stage_now(item.key)) if stage_now is not None else (lambda item: False)
-                jobs, rest = writer.area.stage(files, source, now, cap=budget)
-                job.files = jobs
-                pending.staging_bytes = writer.area.size
-                work = lambda: finish_whole(rest)  # noqa: E731
-        except BaseException as e:
-            fail(e)
-            if not isinstance(e, Exception):
-                raise
-            work = None  # type: ignore[assignment]
+        work: Optional[Callable[[], None]]
+        if chunked:
+            work = staging.chunked
+        else:
+            now: Optional[Callable[[WriteItem], bool]] = None  # everything before returning
+            if overlap:
+                now = (lambda item: stage_now(item.key)) if stage_now is not None else (lambda item: False)
+            work = staging.whole(now)
         pending.overlap = overlap and work is not None
         if work is not None:
-            if overlap:
-                pending.staging = threading.Thread(target=work, name=f"nostall-staging-{comm.rank}", daemon=True)
+            if pending.overlap:
+                pending.staging = threading.Thread(target=work, name=f"nostall-staging-{self.comm.rank}", daemon=True)
                 pending.staging.start()
             else:
                 work()
         pending.stall_s = time.perf_counter() - p.t0
-        if not overlap:
-            pending.stage_s = time.perf_counter() - t_stage
+        if not pending.overlap:
+            pending.stage_s = time.perf_counter() - staging.t0
         return pending
 
-    def complete(self, pending: PendingSave, result: JobResult, final: str) -> SaveStats:
+    def complete(self, pending: PendingSave, result: JobResult) -> SaveStats:
         """Stats of a finished asynchronous save, or its error."""
         p = pending.prepared
         if not result.ok:
-            prefix = f"save of step {p.step} failed"
-            error = result.error or "unknown error"
-            raise CheckpointSaveError(error if error.startswith(prefix) else f"{prefix}: {error}")
+            raise CheckpointSaveError(_failure(p.step, result))
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
-            stall_s=pending.stall_s + pending.staged_wait_s, wait_s=pending.wait_s,
+            stall_s=pending.stall_s + pending.staged_wait_s, wait_s=pending.t_start - p.t0,
             plan_s=p.t_plan - pending.t_start, stage_s=pending.stage_s,
             write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
             bytes_written=result.bytes_written,
@@ -424,8 +440,14 @@ class Saver:
             overlap=pending.overlap, staged_wait_s=pending.staged_wait_s,
             chunks=pending.chunks, staging_bytes=pending.staging_bytes,
         )
-        _log_stats(stats, final)
+        _log_stats(stats, p.dest.path)
         return stats
+
+
+def _failure(step: Optional[int], result: JobResult) -> str:
+    prefix = f"save of step {step} failed"
+    error = result.error or "unknown error"
+    return error if error.startswith(prefix) else f"{prefix}: {error}"
 
 
 def _log_stats(s: SaveStats, final: str) -> None:

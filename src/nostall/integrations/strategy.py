@@ -36,12 +36,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import commit, commit_remote, remote
 from ..api import load as _load_path
 from ..errors import CheckpointError, CheckpointLoadError, CheckpointNotFoundError, InvalidStateError
-from ..format import MANIFEST_NAME
 from ..handles import SaveHandle
 from ..manager import CheckpointManager
+from ..options import Options
+from ..roots import open_root, resolve
 from ..model import PerRank, ShardedTensor, escape_component, is_dtensor
 
 log = logging.getLogger("nostall")
@@ -340,15 +340,11 @@ class Strategy:
         local_staging_dir: Optional[str] = None,
     ) -> None:
         self.layout = layout
+        self.options = Options(keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
+                               storage_options=storage_options, local_staging_dir=local_staging_dir, overlap=overlap)
         self.storage_options = storage_options
-        self.local_staging_dir = local_staging_dir
-        self.async_save = async_save
-        self.overlap = overlap
         self._attached: Dict[str, "weakref.WeakSet"] = {}  # per ckpt_dir: the optimizers attached
-        self.keep_last = keep_last
         self.process_group = process_group
-        self.timeout = timeout
-        self.errors = errors
         self._managers: Dict[str, CheckpointManager] = {}
 
     # ------------------------------------------------------------------ state
@@ -372,28 +368,16 @@ class Strategy:
         state["extra"] = extra
         return state
 
-    @staticmethod
-    def _root(ckpt_dir: str) -> str:
+    def _root(self, ckpt_dir: str) -> str:
         """``ckpt_dir`` as a manager names it: an absolute path, or a URL as it is (no trailing slash)."""
-        path = os.fspath(ckpt_dir)
-        return str(path).rstrip("/") if remote.is_remote(path) else os.path.abspath(path)
+        return open_root(os.fspath(ckpt_dir), storage_options=self.storage_options).url
 
     def manager(self, ckpt_dir: str) -> CheckpointManager:
         """The manager of ``ckpt_dir``, created (collectively) on first use."""
         root = self._root(ckpt_dir)
         mgr = self._managers.get(root)
         if mgr is None:
-            mgr = CheckpointManager(
-                root,
-                keep_last=self.keep_last,
-                process_group=self.process_group,
-                async_save=self.async_save,
-                overlap=self.overlap,
-                timeout=self.timeout,
-                errors=self.errors,
-                storage_options=self.storage_options,
-                local_staging_dir=self.local_staging_dir,
-            )
+            mgr = CheckpointManager(root, process_group=self.process_group, options=self.options)
             self._managers[root] = mgr
         return mgr
 
@@ -420,7 +404,7 @@ class Strategy:
         state = self.build_state(model, optimizer, scheduler, extra)
         state["step"] = step
         mgr = self.manager(ckpt_dir)
-        if not self.overlap:
+        if not self.options.overlap:
             return mgr.save(step, state, async_save=async_save)
         attached = self._attached.setdefault(mgr.root, weakref.WeakSet())
         if optimizer is not None and optimizer not in attached:
@@ -464,39 +448,13 @@ class Strategy:
 
     def latest_step(self, ckpt_dir: str) -> Optional[int]:
         """The newest committed step under ``ckpt_dir`` (pending saves not counted)."""
-        root = self._root(ckpt_dir)
-        if remote.is_remote(root):
-            return commit_remote.latest_step(root, self.storage_options)
-        return commit.latest_step(root)
+        return open_root(self._root(ckpt_dir), storage_options=self.storage_options).latest_step()
 
     def resolve(self, ckpt_dir: str, step: Optional[int] = None) -> Tuple[int, str]:
-        """(step, directory) of a checkpoint: ``ckpt_dir`` itself if it is one, else its ``step`` (None: latest)."""
-        path = self._root(ckpt_dir)
-        if remote.is_remote(path):
-            return self._resolve_remote(path, step)
-        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-            return -1, path
-        if step is None:
-            step = commit.latest_step(path)
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {path}")
-        d = commit.step_dir(path, step)
-        if not os.path.isfile(os.path.join(d, MANIFEST_NAME)):
-            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {path}")
-        return step, d
-
-    def _resolve_remote(self, url: str, step: Optional[int]) -> Tuple[int, str]:
-        fs, key = remote.filesystem(url, self.storage_options)
-        fs.invalidate_cache()  # other processes write here: never trust a cached listing
-        if remote.retry(f"stat {url}", lambda: fs.exists(f"{key}/{MANIFEST_NAME}")):
-            return -1, url
-        if step is None:
-            step = self.latest_step(url)
-            if step is None:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {url}")
-        elif step not in commit_remote.committed_steps(url, self.storage_options):
-            raise CheckpointNotFoundError(f"no committed checkpoint of step {step} under {url}")
-        return step, commit_remote.join(url, f"step_{step}")
+        """(step, directory) of a checkpoint: ``ckpt_dir`` itself if it is one (step -1), else its
+        ``step`` (None: latest)."""
+        root, name, found = resolve(self._root(ckpt_dir), step, storage_options=self.storage_options)
+        return (-1 if found is None else found), root.path(name)
 
     def load_checkpoint(
         self,

@@ -14,13 +14,18 @@ import logging
 import os
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import commit
+from .._boxes import cover_problem
 from .._tensorbuf import byte_view
+from ..commit import SoloBarrier, run_job, write_files
+from ..jobs import Destination, FileJob, SaveJob
+from ..options import check_block_size
+from ..roots import split_checkpoint
 from ..errors import CheckpointError, CheckpointLoadError, CheckpointSaveError, describe
 from ..format import (
     DEFAULT_BLOCK_SIZE,
@@ -200,12 +205,11 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
     """Write a one-shot checkpoint (world size 1) at ``dst``, one piece in memory at a time.
 
     The data file is laid out from the pieces' metadata first, then each
-    piece is produced, checksummed and written in file order; the manifest is
-    written last and the directory renamed into place (the commit rule of a
-    save). Pieces with no elements are left out.
+    piece is produced, checksummed and written in file order, by the save job
+    and commit routine every save runs (:func:`nostall.commit.run_job`), so
+    the checkpoint appears only once complete. Pieces with no elements are left out.
     """
-    from ..writer import write_file_image  # torch-free module; imported late (heavy import chain avoided)
-
+    block_size = check_block_size(block_size)
     fname = data_file_name(0)
     entries: List[FileEntry] = []
     where_of: Dict[str, Tuple[TensorSource, PieceSource]] = {}
@@ -222,11 +226,22 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
     header, where, size = layout_file(entries, {"format": "nostall", "rank": "0", "world_size": "1"})
     order = sorted(where, key=lambda n: where[n][0])
 
-    target = commit.PathTarget(os.fspath(dst))
-    try:
-        target.prepare()
-    except OSError as e:
-        raise CheckpointSaveError(f"cannot write {dst}: {describe(e)}") from None
+    recs: Dict[str, TensorRecord] = {}
+    for t in tensors:
+        pieces = []
+        for p in t.pieces:
+            if numel(p.shape) == 0:
+                continue
+            s, e = where[piece_name(t.key, p.offset, p.shape, t.shape)]
+            pieces.append(PieceRecord(tuple(p.offset), tuple(p.shape), fname, s, e, ()))
+        problem = cover_problem(tuple(t.shape), [(p.offset, p.shape) for p in pieces])
+        if problem:  # the pieces must tile every tensor
+            raise CheckpointSaveError(f"writing {dst}: key {t.key!r}: {problem}")
+        whole = len(pieces) == 1 and pieces[0].shape == tuple(t.shape)
+        recs[t.key] = TensorRecord(t.key, t.dtype, tuple(t.shape), not whole and bool(t.shape), tuple(pieces))
+    files = {fname: FileRecord(fname, 0, size)} if entries else {}
+    manifest = Manifest(step=None, world_size=1, block_size=block_size, files=files, tensors=recs,
+                        objects=dict(objects), per_rank=(RankRecord({}, {}),))
 
     def parts() -> Iterator[Tuple[int, memoryview]]:
         for name in order:
@@ -244,33 +259,20 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
                 progress.advance(len(buf))
             del buf, data
 
+    root, name = split_checkpoint(os.fspath(dst))
+    dest = Destination(root, name, None, uuid.uuid4().hex)
     try:
-        crcs: Dict[Tuple[str, int, int], Sequence[int]] = {}
-        if entries:
-            crcs = write_file_image(os.path.join(target.staging, fname), header, parts(), size, block_size, fname)
-        recs: Dict[str, TensorRecord] = {}
-        for t in tensors:
-            pieces = []
-            for p in t.pieces:
-                if numel(p.shape) == 0:
-                    continue
-                s, e = where[piece_name(t.key, p.offset, p.shape, t.shape)]
-                pieces.append(PieceRecord(tuple(p.offset), tuple(p.shape), fname, s, e, tuple(crcs[(fname, s, e)])))
-            whole = len(pieces) == 1 and pieces[0].shape == tuple(t.shape)
-            recs[t.key] = TensorRecord(t.key, t.dtype, tuple(t.shape), not whole and bool(t.shape), tuple(pieces))
-        files = {fname: FileRecord(fname, 0, size)} if entries else {}
-        manifest = Manifest(step=None, world_size=1, block_size=block_size, files=files, tensors=recs,
-                            objects=dict(objects), per_rank=(RankRecord({}, {}),))
-        manifest._check(os.path.join(target.final, "manifest.json"))  # the pieces must tile every tensor
-        target.publish(manifest.to_json_bytes(), {fname: size} if entries else {})
-    except BaseException as e:
-        target.abort()
-        if isinstance(e, CheckpointError):
-            raise
-        if isinstance(e, Exception):
-            raise CheckpointSaveError(f"writing {dst} failed: {describe(e)}") from e
+        root.make_staging(dest)
+    except CheckpointError:
         raise
-    return manifest
+    except OSError as e:
+        raise CheckpointSaveError(f"cannot write {dst}: {describe(e)}") from None
+    job = SaveJob(dest, 0, 1, (FileJob(fname, 0, size, len(header), tuple(sorted(where.values()))),) if entries else (),
+                  block_size, timeout=float("inf"), manifest=manifest)
+    result = run_job(job, write_files(lambda i, f: (memoryview(header), parts())), SoloBarrier())
+    if not result.ok:
+        raise CheckpointSaveError(f"writing {dst} failed: {result.error}")
+    return read_manifest(os.fspath(dst))
 
 
 def parse_size(text: str) -> int:

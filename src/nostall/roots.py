@@ -1,0 +1,1063 @@
+"""The storage-root interface: every operation nostall makes on a checkpoint root.
+
+A *root* holds a run's checkpoints. Everything above this module (the
+manager, the saver, the writer, the CLI, the interop writers, ``Strategy``)
+talks to a :class:`Root` and never to ``os`` or fsspec paths directly, and never
+asks which kind of root it has. There are two implementations:
+
+* :class:`PosixRoot`: a local or shared POSIX filesystem. The commit point is
+  the atomic ``rename`` of a save's staging directory to ``step_<N>``; data is
+  fsynced before it is renamed, directories after their entries change;
+  ``flock`` keeps a second job off the root.
+* :class:`ObjectRoot`: object storage through fsspec (``s3://`` and others).
+  Each rank writes its files to node-local scratch and uploads them; the
+  commit point is the upload of ``manifest.json``, last.
+
+Layout (both; see docs/protocol.md)::
+
+    <root>/step_<N>/            a committed checkpoint: a nostall manifest.json inside
+    <root>/latest               the newest committed step (text, at most 64 bytes)
+    <root>/.tmp/save-<id>/      a save in progress (POSIX; never a checkpoint)
+    <root>/.tmp/commit-<id>/    a save's per-rank done records and its outcome
+    <root>/.tmp/trash-<id>/     a checkpoint being deleted (POSIX)
+
+What nostall may delete: only entries it can prove it made. Every directory
+it creates under ``.tmp`` carries a marker file (``.nostall``) holding the
+save id in its name; a step directory is deleted only once its manifest
+parses as a nostall manifest. Nothing inside a root is followed if it is a
+symbolic link: a root whose ``.tmp``, ``latest`` or ``step_<N>`` is one is
+refused with an error naming it.
+
+Call order within one save (who: "rank 0" is the committing rank's trainer
+for :meth:`~Root.make_staging` and its writer, or trainer for sync saves,
+for the commit):
+
+1. rank 0: :meth:`~Root.make_staging` (and :meth:`~Root.make_records` for async saves), before the plan;
+2. every rank: :meth:`~Root.open_staging`, write files there, :meth:`~Root.upload`;
+3. every rank: :meth:`~Root.write_done` (async) -- rank 0: :meth:`~Root.read_dones`;
+4. rank 0: :meth:`~Root.check_files`, :meth:`~Root.prepare_latest`, :meth:`~Root.publish` (the
+   commit point), :meth:`~Root.move_latest` -- or :meth:`~Root.abort`;
+5. rank 0: :meth:`~Root.write_outcome` (async), then :meth:`~Root.delete_step` for retention and
+   :meth:`~Root.sweep`.
+
+This module does not import torch (it runs in the writer process).
+"""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import sys
+import tempfile
+import time
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from . import remote, storage
+from ._faults import Faults, crash_point
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from .format import MANIFEST_NAME, Manifest
+from .jobs import Destination, Done, Outcome
+
+log = logging.getLogger("nostall")
+
+TMP_DIR = ".tmp"
+LATEST = "latest"
+MARK_SUFFIX = ".nostall"
+LOCK = ".lock"
+LATEST_MAX_BYTES = 64
+RECORD_MAX_BYTES = 1 << 30
+MANIFEST_PROOF_MAX_BYTES = 1 << 30
+
+_STEP_RE = re.compile(r"^step_(0|[1-9][0-9]{0,18})$")
+_ID = r"[0-9a-f]{32}"
+_OURS_RE = re.compile(rf"^(save|commit|trash|latest)-({_ID})$")
+_MARK_RE = re.compile(rf"^(save|commit|trash|latest)-({_ID})\.nostall$")
+_DATA_RE = re.compile(r"^rank(0|[1-9][0-9]*)\.([0-9a-f]{16})\.safetensors$")
+_RECORD_RE = re.compile(r"^(rank(0|[1-9][0-9]*)\.json|outcome\.json)$")
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def parse_step(name: str) -> Optional[int]:
+    """The step of a checkpoint directory's name (exactly ``step_<N>``), else None."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _done_name(rank: int) -> str:
+    return f"rank{rank}.json"
+
+
+def _parse_latest(raw: bytes, where: str) -> Optional[int]:
+    try:
+        text = raw.decode("ascii").strip()
+        step = parse_step(f"step_{text}")
+    except UnicodeDecodeError:
+        step = None
+    if step is None:
+        log.warning("%s does not name a step (%r); using the newest committed step", where, raw[:32])
+    return step
+
+
+def _is_nostall_manifest(raw: bytes, where: str) -> bool:
+    try:
+        Manifest.from_json_bytes(raw, where)
+        return True
+    except CheckpointError:
+        return False
+
+
+class Claim:
+    """A root's claim for a manager's lifetime (see :meth:`Root.claim`); ``release()`` ends it."""
+
+    def __init__(self, held: bool, owner: str = "", fd: Optional[int] = None) -> None:
+        self.held = held
+        self.owner = owner
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the flock
+            self._fd = None
+
+
+class Root(abc.ABC):
+    """Every operation on one checkpoint root (see the module docstring). Picklable."""
+
+    url: str
+    faults: Faults
+
+    # ------------------------------------------------------------------ names
+    @abc.abstractmethod
+    def path(self, name: str) -> str:
+        """Location (directory or URL) of the checkpoint named ``name``."""
+
+    def data_name(self, dest: Destination, name: str) -> str:
+        """What the planned data file ``name`` is called in the checkpoint."""
+        return name
+
+    # ------------------------------------------------------------------ reading
+    @abc.abstractmethod
+    def steps(self) -> List[int]:
+        """Steps of the committed checkpoints, ascending."""
+
+    @abc.abstractmethod
+    def read_latest(self) -> Optional[int]:
+        """The step ``latest`` names, or None (absent or not a step)."""
+
+    def latest_step(self) -> Optional[int]:
+        """``latest`` when it names a committed step (after a rollback it may be lower than the
+        highest one), else the highest committed step (``latest`` may lag a crash by one commit)."""
+        steps = self.steps()
+        pointed = self.read_latest()
+        if pointed is not None and pointed in steps:
+            return pointed
+        return steps[-1] if steps else None
+
+    @abc.abstractmethod
+    def is_checkpoint(self, name: str) -> bool:
+        """Whether ``name`` is a committed nostall checkpoint (its manifest parses as one)."""
+
+    @abc.abstractmethod
+    def manifest_bytes(self, name: str) -> Optional[bytes]:
+        """The manifest of the checkpoint ``name`` in place, as stored; None when there is none."""
+
+    @abc.abstractmethod
+    def committed_at(self, name: str) -> Optional[str]:
+        """When the checkpoint ``name`` was committed (its manifest written), ISO 8601 UTC; None if unknown."""
+
+    # ------------------------------------------------------------------ lifetime
+    @abc.abstractmethod
+    def claim(self) -> Claim:
+        """Rank 0, when a manager opens the root: take it, then remove what crashed saves left."""
+
+    def check(self) -> None:
+        """Refuse a root that nostall cannot use safely (raises naming the entry)."""
+
+    # ------------------------------------------------------------------ one save
+    @abc.abstractmethod
+    def make_staging(self, dest: Destination) -> None:
+        """Rank 0, before the plan: the save's staging area (nothing remote)."""
+
+    def make_records(self, dest: Destination) -> None:
+        """Rank 0, before the plan, async saves: the save's records (nothing remote)."""
+
+    @abc.abstractmethod
+    def open_staging(self, dest: Destination, rank: int) -> str:
+        """Every rank, before writing: the local directory where it writes its files."""
+
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
+        """Every rank, after writing: move its staged files into the checkpoint (a no-op on POSIX)."""
+
+    @abc.abstractmethod
+    def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
+        """A rank whose save failed: delete what it wrote (a full disk needs the space back)."""
+
+    @abc.abstractmethod
+    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
+        """Rank 0, before the commit: every data file is there with its planned size."""
+
+    def prepare_latest(self, dest: Destination) -> None:
+        """Rank 0, before the commit point: whatever moving ``latest`` needs that can fail for lack of space."""
+
+    @abc.abstractmethod
+    def publish(self, dest: Destination, manifest: bytes) -> None:
+        """Rank 0: write the manifest and make the checkpoint visible (the commit point).
+
+        Raises only before the commit point (nothing is visible then).
+        """
+
+    @abc.abstractmethod
+    def _drop_mark(self, path: str) -> None:
+        """The mark of an entry that is gone (renamed into place, say)."""
+        if _lkind(path) is None:
+            try:
+                os.unlink(self._mark_of(path))
+            except FileNotFoundError:
+                pass
+
+    def move_latest(self, dest: Destination) -> None:
+        """Rank 0, right after the commit point: ``latest`` names ``dest.step``."""
+
+    @abc.abstractmethod
+    def unpublish(self, dest: Destination) -> None:
+        """Rank 0: take back a commit whose ``latest`` could not move (the checkpoint stops being one)."""
+
+    @abc.abstractmethod
+    def abort(self, dest: Destination) -> None:
+        """Rank 0, after a failure before the commit point: remove this save's staging and uploads."""
+
+    @abc.abstractmethod
+    def delete_step(self, step: int) -> None:
+        """Retention: delete the committed checkpoint of ``step`` (it stops being one first)."""
+
+    def sweep(self, dest: Destination) -> None:
+        """Rank 0, after a commit: delete what earlier crashed saves left (never raises)."""
+
+    # ------------------------------------------------------------------ records
+    @abc.abstractmethod
+    def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
+        """A rank's done record (atomic: readers never see half of it)."""
+
+    @abc.abstractmethod
+    def read_dones(self, dest: Destination, ranks: Iterable[int]) -> Dict[int, Done]:
+        """The done records present among ``ranks``' (one listing per call)."""
+
+    @abc.abstractmethod
+    def write_outcome(self, dest: Destination, outcome: Outcome, deadline: float) -> None:
+        """Rank 0: the save's outcome, for the other ranks."""
+
+    @abc.abstractmethod
+    def read_outcome(self, dest: Destination) -> Optional[Outcome]:
+        """The save's outcome, once rank 0 wrote it."""
+
+    @abc.abstractmethod
+    def drop_records(self, save_id: str) -> None:
+        """Rank 0, once every rank has read a save's outcome: delete its records."""
+
+
+# =========================================================================== POSIX
+
+
+def _rename_exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a)
+
+
+def _lkind(path: str) -> Optional[int]:
+    """``st_mode`` of ``path`` itself (never following a link), or None when absent."""
+    try:
+        return os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+
+
+class PosixRoot(Root):
+    """A root on a POSIX filesystem (local or shared); see the module docstring.
+
+    ``detached``: the parent directory of one-shot checkpoints
+    (``nostall.save(state, dir)``, the interop writers): a save stages beside
+    its checkpoint (``.<name>.nostall-<id>``), with no ``.tmp``, lock or ``latest``.
+    """
+
+    _UNSUPPORTED_LOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+    def __init__(self, path: str, *, detached: bool = False, faults: Optional[Faults] = None) -> None:
+        self.url = os.path.abspath(os.fspath(path))
+        self.detached = detached
+        self.faults = faults if faults is not None else Faults()
+
+    def __repr__(self) -> str:
+        return f"PosixRoot({self.url!r})"
+
+    # ------------------------------------------------------------------ names
+    def path(self, name: str) -> str:
+        return os.path.join(self.url, name)
+
+    def _tmp(self, kind: str, save_id: str, name: str = "") -> str:
+        if self.detached:
+            return os.path.join(self.url, f".{name}.nostall-{kind}-{save_id}")
+        return os.path.join(self.url, TMP_DIR, f"{kind}-{save_id}")
+
+    def _records(self, save_id: str) -> str:
+        return self._tmp("commit", save_id)
+
+    # ------------------------------------------------------------------ checks
+    def _no_link(self, path: str) -> Optional[int]:
+        mode = _lkind(path)
+        if mode is not None and stat.S_ISLNK(mode):
+            raise CheckpointError(
+                f"{path} is a symbolic link: nostall never follows links inside a checkpoint root. "
+                "Replace it with a real directory or file (or use another root)"
+            )
+        return mode
+
+    def check(self) -> None:
+        mode = _lkind(self.url)
+        if mode is not None and not stat.S_ISDIR(os.stat(self.url).st_mode):
+            raise CheckpointSaveError(f"checkpoint root {self.url!r} exists and is not a directory")
+        if self.detached or mode is None:
+            return
+        self._no_link(os.path.join(self.url, TMP_DIR))
+        self._no_link(os.path.join(self.url, LATEST))
+        for n in os.listdir(self.url):
+            if parse_step(n) is not None:
+                self._no_link(os.path.join(self.url, n))
+
+    # ------------------------------------------------------------------ reading
+    def steps(self) -> List[int]:
+        try:
+            names = os.listdir(self.url)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            s = parse_step(n)
+            if s is None:
+                continue
+            d = os.path.join(self.url, n)
+            mode = self._no_link(d)
+            if mode is None or not stat.S_ISDIR(mode):
+                continue
+            m = _lkind(os.path.join(d, MANIFEST_NAME))
+            if m is not None and stat.S_ISREG(m):
+                out.append(s)
+        return sorted(out)
+
+    def read_latest(self) -> Optional[int]:
+        path = os.path.join(self.url, LATEST)
+        self._no_link(path)
+        try:
+            raw = storage.read_small_file(path, LATEST_MAX_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read the latest pointer ({e}); remove or fix it") from None
+        return _parse_latest(raw, path)
+
+    def is_checkpoint(self, name: str) -> bool:
+        try:
+            raw = self.manifest_bytes(name)
+        except OSError:
+            return False
+        return raw is not None and _is_nostall_manifest(raw, os.path.join(self.path(name), MANIFEST_NAME))
+
+    def manifest_bytes(self, name: str) -> Optional[bytes]:
+        d = self.path(name)
+        mode = self._no_link(d)
+        if mode is None or not stat.S_ISDIR(mode):
+            return None
+        try:
+            return storage.read_small_file(os.path.join(d, MANIFEST_NAME), MANIFEST_PROOF_MAX_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def committed_at(self, name: str) -> Optional[str]:
+        try:
+            t = os.lstat(os.path.join(self.path(name), MANIFEST_NAME)).st_mtime
+        except OSError:
+            return None
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    @staticmethod
+    def _mark_of(path: str) -> str:
+        return path + MARK_SUFFIX
+
+    def _proven(self, path: str, save_id: str) -> bool:
+        """Whether the mark beside ``path`` proves nostall made it for save ``save_id``."""
+        try:
+            return storage.read_small_file(self._mark_of(path), 64).decode("ascii", "replace").strip() == save_id
+        except OSError:
+            return False
+
+    def _make_ours(self, path: str, save_id: str, make_dir: bool = True) -> None:
+        """Claim ``path`` with its mark (first: a crash never leaves an unmarked entry of ours), then make it."""
+        storage.write_file(self._mark_of(path), [memoryview(save_id.encode())])
+        if make_dir:
+            os.mkdir(path)
+
+    def _remove_ours(self, path: str, save_id: str) -> bool:
+        """Delete ``path`` (never following a link) and its mark, if the mark proves it is ``save_id``'s."""
+        if not self._proven(path, save_id):
+            if _lkind(path) is not None:
+                log.warning("%s is not nostall's (no mark for save %s): left alone", path, save_id)
+                return False
+            return True
+        mode = _lkind(path)
+        if mode is not None:
+            if stat.S_ISDIR(mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        if _lkind(path) is not None:
+            return False
+        os.unlink(self._mark_of(path))
+        return True
+
+    # ------------------------------------------------------------------ lifetime
+    def claim(self) -> Claim:
+        self.check()
+        os.makedirs(self.url, exist_ok=True)
+        tmp = os.path.join(self.url, TMP_DIR)
+        try:
+            os.mkdir(tmp)
+        except FileExistsError:
+            if self._no_link(tmp) is None or not stat.S_ISDIR(os.lstat(tmp).st_mode):
+                raise CheckpointSaveError(f"{tmp} is not a directory; remove it") from None
+        path = os.path.join(tmp, LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CheckpointSaveError(f"{path} is not a regular file; remove it")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in self._UNSUPPORTED_LOCK:
+                owner = self._lock_owner(fd)
+                os.close(fd)
+                return Claim(False, owner)
+            log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
+                        "second job on this root: make sure one job saves to it at a time", self.url, e)
+        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, owner, 0)
+        self._clean_leftovers()
+        return Claim(True, "", fd)
+
+    @staticmethod
+    def _lock_owner(fd: int) -> str:
+        try:
+            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            return f"pid {info['pid']} on host {info['host']} (since {info['since']})"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "an unknown process"
+
+    def _clean_leftovers(self) -> None:
+        """Remove what crashed saves left under ``.tmp``: only entries nostall can prove it made."""
+        tmp = os.path.join(self.url, TMP_DIR)
+        for n in os.listdir(tmp):
+            path = os.path.join(tmp, n)
+            m = _OURS_RE.match(n) or _MARK_RE.match(n)
+            if m is None:
+                if n != LOCK:
+                    log.debug("%s is not nostall's: left alone", path)
+                continue
+            entry = os.path.join(tmp, f"{m.group(1)}-{m.group(2)}")
+            if self._remove_ours(entry, m.group(2)) and n == os.path.basename(entry):
+                log.info("removed %s, left by an interrupted save", entry)
+
+    # ------------------------------------------------------------------ one save
+    def make_staging(self, dest: Destination) -> None:
+        if self.detached:
+            final = self.path(dest.name)
+            mode = _lkind(final)
+            if mode is not None and not self.is_checkpoint(dest.name):
+                raise CheckpointSaveError(
+                    f"{final} exists and is not a nostall checkpoint (no nostall manifest.json in it); "
+                    "refusing to replace it: choose another directory or remove it"
+                )
+            os.makedirs(self.url, exist_ok=True)
+        else:
+            self.check()
+            os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
+        self._make_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
+
+    def make_records(self, dest: Destination) -> None:
+        d = self._records(dest.save_id)
+        self._make_ours(d, dest.save_id)
+        # the outcome slot exists before anything is written: announcing the outcome is then a
+        # rename, which needs no space, so a full disk cannot make the outcome differ from the commit
+        storage.write_file(os.path.join(d, "outcome.pending"), [])
+
+    def open_staging(self, dest: Destination, rank: int) -> str:
+        path = self._tmp("save", dest.save_id, dest.name)
+        if not self._proven(path, dest.save_id) or _lkind(path) is None:
+            raise FileNotFoundError(
+                errno.ENOENT, "the save's staging directory is gone (was the checkpoint directory deleted?)", path
+            )
+        return path
+
+    def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
+        staging = self._tmp("save", dest.save_id, dest.name)
+        for n in names:
+            try:
+                os.unlink(os.path.join(staging, n))
+            except OSError:
+                pass
+
+    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
+        staging = self._tmp("save", dest.save_id, dest.name)
+        for name, size in files.items():
+            path = os.path.join(staging, name)
+            try:
+                got = os.lstat(path).st_size
+            except FileNotFoundError:
+                raise CheckpointSaveError(f"{path} is missing at commit time") from None
+            if got != size:
+                raise CheckpointSaveError(f"{path} has {got} bytes at commit time, {size} planned")
+
+    def prepare_latest(self, dest: Destination) -> None:
+        path = self._tmp("latest", dest.save_id)
+        self.faults.check("latest", path)
+        self._make_ours(path, dest.save_id, make_dir=False)
+        storage.write_file(path, [memoryview(f"{dest.step}\n".encode())])
+
+    def publish(self, dest: Destination, manifest: bytes) -> None:
+        staging = self._tmp("save", dest.save_id, dest.name)
+        final = self.path(dest.name)
+        mpath = os.path.join(staging, MANIFEST_NAME)
+        self.faults.check("manifest", mpath)
+        storage.write_file(mpath, [memoryview(manifest)])
+        storage.fsync_dir(staging)
+        crash_point("commit.manifest", dest.step)
+        self._no_link(final)
+        old: Optional[str] = None  # where the checkpoint this one replaces now is (marked as this save's)
+        if _lkind(final) is not None:
+            if not self.is_checkpoint(dest.name):
+                raise CheckpointSaveError(f"{final} exists and is not a nostall checkpoint; refusing to replace it")
+            if _rename_exchange(staging, final):
+                old = staging  # the staging path (and its mark) now holds the previous checkpoint
+            else:
+                old = self._tmp("trash", dest.save_id, dest.name)
+                self._make_ours(old, dest.save_id, make_dir=False)
+                os.rename(final, old)
+                os.rename(staging, final)
+        else:
+            os.rename(staging, final)
+        crash_point("commit.renamed", dest.step)
+        try:  # past the commit point
+            storage.fsync_dir(self.url)
+            if old is not None:
+                self._remove_ours(old, dest.save_id)  # the checkpoint we just replaced
+            self._drop_mark(staging)
+        except OSError as e:
+            log.warning("%s is committed, but a follow-up failed: %s", final, e)
+
+    def _drop_mark(self, path: str) -> None:
+        """The mark of an entry that is gone (renamed into place, say)."""
+        if _lkind(path) is None:
+            try:
+                os.unlink(self._mark_of(path))
+            except FileNotFoundError:
+                pass
+
+    def move_latest(self, dest: Destination) -> None:
+        path = os.path.join(self.url, LATEST)
+        self._no_link(path)
+        self.faults.check("latest.move", path)
+        prepared = self._tmp("latest", dest.save_id)
+        if _lkind(prepared) is None and self.read_latest() == dest.step:
+            return  # moved already (a writer that died right after is being recovered)
+        os.rename(prepared, path)
+        storage.fsync_dir(self.url)
+        self._drop_mark(prepared)
+
+    def unpublish(self, dest: Destination) -> None:
+        trash = self._tmp("trash", dest.save_id, dest.name)
+        self._make_ours(trash, dest.save_id, make_dir=False)
+        os.rename(self.path(dest.name), trash)
+        storage.fsync_dir(self.url)
+        self._remove_ours(trash, dest.save_id)
+
+    def abort(self, dest: Destination) -> None:
+        self._remove_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
+        self._remove_ours(self._tmp("latest", dest.save_id), dest.save_id)
+
+    def delete_step(self, step: int) -> None:
+        name = step_name(step)
+        if not self.is_checkpoint(name):
+            log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
+            return
+        trash_id = os.urandom(16).hex()
+        trash = self._tmp("trash", trash_id)
+        self._make_ours(trash, trash_id, make_dir=False)
+        os.rename(self.path(name), trash)  # it stops being a checkpoint atomically, then is deleted
+        crash_point("retain.moved", step)
+        self._remove_ours(trash, trash_id)
+        storage.fsync_dir(self.url)
+
+    # ------------------------------------------------------------------ records
+    def _write_record(self, path: str, data: bytes, op: str) -> None:
+        self.faults.check(op, path)
+        storage.atomic_write(path, data)
+
+    def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
+        self._write_record(os.path.join(self._records(dest.save_id), _done_name(rank)),
+                           json.dumps(done.to_doc(), sort_keys=True).encode(), "record")
+
+    def read_dones(self, dest: Destination, ranks: Iterable[int]) -> Dict[int, Done]:
+        d = self._records(dest.save_id)
+        try:
+            present = set(os.listdir(d))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "the save's records directory is gone", d) from None
+        out = {}
+        for r in ranks:
+            if _done_name(r) in present:
+                raw = storage.read_small_file(os.path.join(d, _done_name(r)), RECORD_MAX_BYTES)
+                out[r] = Done.from_doc(json.loads(raw))
+        return out
+
+    def write_outcome(self, dest: Destination, outcome: Outcome, deadline: float) -> None:
+        d = self._records(dest.save_id)
+        pending = os.path.join(d, "outcome.pending")
+        if not outcome.ok:
+            try:  # the reason, best effort (it needs space; the rename below does not)
+                self._write_record(os.path.join(d, "outcome.json"), json.dumps({"error": outcome.error}).encode(),
+                                   "outcome")
+            except OSError as e:
+                log.error("could not record why step %s failed: %s", dest.step, e)
+        os.rename(pending, os.path.join(d, "outcome.ok" if outcome.ok else "outcome.failed"))
+        storage.fsync_dir(d)
+
+    def read_outcome(self, dest: Destination) -> Optional[Outcome]:
+        d = self._records(dest.save_id)
+        try:
+            present = set(os.listdir(d))
+        except FileNotFoundError:
+            return Outcome(False, f"the records of step {dest.step}'s save are gone ({d})")
+        if "outcome.ok" in present:
+            return Outcome(True)
+        if "outcome.failed" not in present:
+            return None
+        try:
+            raw = storage.read_small_file(os.path.join(d, "outcome.json"), RECORD_MAX_BYTES)
+            return Outcome(False, str(json.loads(raw).get("error") or "unknown error"))
+        except (OSError, ValueError, AttributeError):
+            return Outcome(False, f"save of step {dest.step} failed (rank 0 could not record why)")
+
+    def drop_records(self, save_id: str) -> None:
+        self._remove_ours(self._records(save_id), save_id)
+
+
+# =========================================================================== object storage
+
+
+def _join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/")] + [p.strip("/") for p in parts])
+
+
+UPLOAD_PART_BYTES = 32 << 20  # multipart part size (s3fs); parts go up S3_MAX_CONCURRENCY at a time
+PROGRESS_EVERY_S = 10.0
+
+
+def _put(fs: Any, local: str, key: str, url: str, size: int) -> None:
+    """Upload ``local`` to ``key`` (multipart with parallel parts on s3), logging progress every 10 s."""
+    from fsspec.callbacks import Callback
+
+    t0 = time.monotonic()
+    last = [t0]
+
+    def progress(total: Optional[int], done: int, **_: Any) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S:
+            last[0] = now
+            log.info("uploading %s: %.0f of %.0f MB (%.0f MB/s)", url, done / 1e6, size / 1e6,
+                     done / 1e6 / (now - t0))
+
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    extra = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols else {}
+    fs.put_file(local, key, callback=Callback(hooks={"progress": progress}), **extra)
+
+
+class ObjectRoot(Root):
+    """A root on object storage through fsspec; see the module docstring.
+
+    There is no rename: the manifest, uploaded last, is the commit point, and
+    a ``step_<N>/`` prefix without one is never listed or loaded. Data file
+    names carry the save's id (``rank0.<id>.safetensors``), so re-saving a
+    step never touches the files its older manifest names. There is no lock
+    either: one job must save to a root at a time.
+    """
+
+    def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None,
+                 local_staging: Optional[str] = None, timeout: float = 600.0,
+                 faults: Optional[Faults] = None) -> None:
+        self.url = str(url).rstrip("/")
+        self.storage_options = storage_options
+        self.local_staging = local_staging or os.path.join(
+            tempfile.gettempdir(), "nostall-staging", hashlib.sha1(self.url.encode()).hexdigest()[:12])
+        self.timeout = timeout
+        self.faults = faults if faults is not None else Faults()
+        self._fs_cache: Optional[Tuple[Any, str]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fs_cache"] = None  # a live client does not travel to the writer
+        return state
+
+    def __repr__(self) -> str:
+        return f"ObjectRoot({self.url!r})"
+
+    def _fs(self) -> Tuple[Any, str]:
+        if self._fs_cache is None:
+            self._fs_cache = remote.filesystem(self.url, self.storage_options)
+        return self._fs_cache
+
+    def _key(self, *parts: str) -> str:
+        return _join(self._fs()[1], *parts)
+
+    def _retry(self, what: str, fn: Any, deadline: Optional[float] = None) -> Any:
+        return remote.retry(what, fn, deadline=deadline)
+
+    def _ls(self, *parts: str) -> List[str]:
+        fs = self._fs()[0]
+        try:
+            return [os.path.basename(str(p).rstrip("/"))
+                    for p in self._retry(f"list {_join(self.url, *parts)}",
+                                         lambda: fs.ls(self._key(*parts), detail=False, refresh=True))]
+        except FileNotFoundError:
+            return []
+
+    # ------------------------------------------------------------------ names
+    def path(self, name: str) -> str:
+        return _join(self.url, name)
+
+    def data_name(self, dest: Destination, name: str) -> str:
+        """``rank0.safetensors`` -> ``rank0.<save id>.safetensors``: a re-save of a step never
+        overwrites the files an older manifest of that step still names."""
+        stem, dot, ext = name.rpartition(".")
+        return f"{stem}.{dest.save_id[:16]}.{ext}" if dot else f"{name}.{dest.save_id[:16]}"
+
+    # ------------------------------------------------------------------ reading
+    def steps(self) -> List[int]:
+        fs, key = self._fs()
+        fs.invalidate_cache()  # other processes write here: never trust a cached listing
+        try:
+            found = self._retry(f"list {self.url}", lambda: fs.glob(f"{key.rstrip('/')}/step_*/{MANIFEST_NAME}"))
+        except FileNotFoundError:
+            return []
+        steps = []
+        for p in found:
+            s = parse_step(os.path.basename(os.path.dirname(str(p))))
+            if s is not None:
+                steps.append(s)
+        return sorted(steps)
+
+    def read_latest(self) -> Optional[int]:
+        url = _join(self.url, LATEST)
+        try:
+            raw = remote.read_small(url, LATEST_MAX_BYTES, self.storage_options)
+        except FileNotFoundError:
+            return None
+        except CheckpointError as e:
+            log.warning("%s: %s; using the newest committed step", url, e)
+            return None
+        return _parse_latest(raw, url)
+
+    def _manifest(self, name: str) -> Optional[Manifest]:
+        raw = self.manifest_bytes(name)
+        try:
+            return None if raw is None else Manifest.from_json_bytes(raw, _join(self.url, name, MANIFEST_NAME))
+        except CheckpointCorruptError:
+            return None
+
+    def is_checkpoint(self, name: str) -> bool:
+        return self._manifest(name) is not None
+
+    def manifest_bytes(self, name: str) -> Optional[bytes]:
+        try:
+            return remote.read_small(_join(self.url, name, MANIFEST_NAME), MANIFEST_PROOF_MAX_BYTES,
+                                     self.storage_options)
+        except FileNotFoundError:
+            return None
+
+    def committed_at(self, name: str) -> Optional[str]:
+        try:
+            info = self._fs()[0].info(self._key(name, MANIFEST_NAME))
+        except Exception:
+            return None
+        t = info.get("LastModified") or info.get("mtime") or info.get("created")
+        if t is None:
+            return None
+        if isinstance(t, (int, float, str)):
+            try:
+                return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(float(t)))
+            except ValueError:
+                return None
+        return str(t.isoformat())
+
+    # ------------------------------------------------------------------ lifetime
+    def claim(self) -> Claim:
+        log.info("%s: object storage has no cross-job lock; make sure one job saves to it at a time", self.url)
+        return Claim(True)
+
+    # ------------------------------------------------------------------ one save
+    def make_staging(self, dest: Destination) -> None:
+        """Nothing remote: no round trip in the trainer's stall."""
+
+    def _local(self, dest: Destination, rank: int) -> str:
+        return os.path.join(self.local_staging, f"rank{rank}", f"save-{dest.save_id}")
+
+    def open_staging(self, dest: Destination, rank: int) -> str:
+        parent = os.path.join(self.local_staging, f"rank{rank}")
+        shutil.rmtree(parent, ignore_errors=True)  # this rank's private scratch: only its own saves go there
+        path = self._local(dest, rank)
+        os.makedirs(path)
+        return path
+
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
+        fs = self._fs()[0]
+        staging = self._local(dest, rank)
+        for name in names:
+            local = os.path.join(staging, name)
+            size = os.path.getsize(local)
+            t0 = time.monotonic()
+            url = _join(self.url, dest.name, self.data_name(dest, name))
+            key = self._key(dest.name, self.data_name(dest, name))
+            try:
+                self._retry(f"upload {url}", lambda: _put(fs, local, key, url, size), deadline)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"uploading {url}: the bucket or prefix does not exist ({e})") from None
+            dt = max(time.monotonic() - t0, 1e-9)
+            log.info("uploaded %s: %.1f MB in %.2fs (%.0f MB/s)", url, size / 1e6, dt, size / 1e6 / dt)
+            crash_point("upload.done", dest.step)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
+        shutil.rmtree(self._local(dest, rank), ignore_errors=True)
+
+    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
+        fs = self._fs()[0]
+        for name, size in files.items():
+            url = _join(self.url, dest.name, name)
+            try:
+                got = self._retry(f"stat {url}", lambda: fs.size(self._key(dest.name, name)))
+            except FileNotFoundError:
+                raise CheckpointSaveError(f"{url} is missing at commit time") from None
+            if got != size:
+                raise CheckpointSaveError(f"{url} has {got} bytes at commit time, {size} planned")
+
+    def publish(self, dest: Destination, manifest: bytes) -> None:
+        fs = self._fs()[0]
+        url = _join(self.url, dest.name, MANIFEST_NAME)
+        self.faults.check("manifest", url)
+        self._retry(f"upload {url}", lambda: fs.pipe_file(self._key(dest.name, MANIFEST_NAME), manifest))
+        crash_point("commit.renamed", dest.step)
+        self._drop_other_saves(dest)
+
+    def _drop_other_saves(self, dest: Destination) -> None:
+        """After the commit: delete data files that earlier or failed saves of this step left."""
+        try:
+            fs = self._fs()[0]
+            tag = dest.save_id[:16]
+            for n in self._ls(dest.name):
+                m = _DATA_RE.match(n)
+                if m and m.group(2) != tag:
+                    fs.rm(self._key(dest.name, n))
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not remove older data files under %s: %s", self.path(dest.name), e)
+
+    def _drop_mark(self, path: str) -> None:
+        """The mark of an entry that is gone (renamed into place, say)."""
+        if _lkind(path) is None:
+            try:
+                os.unlink(self._mark_of(path))
+            except FileNotFoundError:
+                pass
+
+    def move_latest(self, dest: Destination) -> None:
+        fs = self._fs()[0]
+        url = _join(self.url, LATEST)
+        self.faults.check("latest.move", url)
+        self._retry(f"upload {url}", lambda: fs.pipe_file(self._key(LATEST), f"{dest.step}\n".encode()))
+
+    def unpublish(self, dest: Destination) -> None:
+        fs = self._fs()[0]
+        self._retry(f"delete {self.path(dest.name)}/{MANIFEST_NAME}",
+                    lambda: fs.rm(self._key(dest.name, MANIFEST_NAME)))
+        self.abort(dest)
+
+    def abort(self, dest: Destination) -> None:
+        tag = dest.save_id[:16]
+        try:
+            fs = self._fs()[0]
+            for n in self._ls(dest.name):
+                m = _DATA_RE.match(n)
+                if m and m.group(2) == tag:
+                    fs.rm(self._key(dest.name, n))
+        except Exception as e:
+            log.warning("could not remove the partial upload under %s: %s", self.path(dest.name), e)
+
+    def delete_step(self, step: int) -> None:
+        name = step_name(step)
+        m = self._manifest(name)
+        if m is None:
+            log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
+            return
+        fs = self._fs()[0]
+        # the manifest first: a half-deleted checkpoint is never listed
+        self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
+        crash_point("retain.moved", step)
+        for n in self._ls(name):
+            if n in m.files or _DATA_RE.match(n):
+                self._retry(f"delete {self.path(name)}/{n}", lambda: fs.rm(self._key(name, n)))
+        log.info("retention: deleted %s", self.path(name))
+
+    def sweep(self, dest: Destination) -> None:
+        """Delete what earlier saves left: their records, and their data files under ``step_*``
+        prefixes that have no manifest. Only nostall's names are touched; safe once this save is
+        committed (a manager has one save in flight)."""
+        try:
+            fs = self._fs()[0]
+            for n in self._ls(TMP_DIR):
+                m = _OURS_RE.match(n)
+                if m is None or m.group(1) != "commit" or m.group(2) == dest.save_id:
+                    continue
+                for r in self._ls(TMP_DIR, n):
+                    if _RECORD_RE.match(r):
+                        self._retry(f"delete {n}/{r}", lambda: fs.rm(self._key(TMP_DIR, n, r)))
+                log.info("removed the records of an earlier save: %s", _join(self.url, TMP_DIR, n))
+            committed = set(self.steps())
+            for n in self._ls():
+                s = parse_step(n)
+                if s is None or s in committed or s == dest.step:
+                    continue
+                for f in self._ls(n):
+                    if _DATA_RE.match(f):
+                        self._retry(f"delete {n}/{f}", lambda: fs.rm(self._key(n, f)))
+                        log.info("removed %s, left by an earlier save", _join(self.url, n, f))
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not sweep the leftovers of earlier saves under %s: %s", self.url, e)
+
+    # ------------------------------------------------------------------ records
+    def _records(self, dest: Destination, *name: str) -> Tuple[str, ...]:
+        return (TMP_DIR, f"commit-{dest.save_id}") + name
+
+    def _pipe(self, parts: Tuple[str, ...], data: bytes, deadline: float, op: str) -> None:
+        fs = self._fs()[0]
+        url = _join(self.url, *parts)
+        self.faults.check(op, url)
+        self._retry(f"upload {url}", lambda: fs.pipe_file(self._key(*parts), data), deadline)
+
+    def _cat(self, parts: Tuple[str, ...]) -> Optional[bytes]:
+        try:
+            return remote.read_small(_join(self.url, *parts), RECORD_MAX_BYTES, self.storage_options)
+        except FileNotFoundError:
+            return None
+
+    def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
+        self._pipe(self._records(dest, _done_name(rank)), json.dumps(done.to_doc(), sort_keys=True).encode(),
+                   deadline, "record")
+
+    def read_dones(self, dest: Destination, ranks: Iterable[int]) -> Dict[int, Done]:
+        try:
+            present = set(self._ls(*self._records(dest)))
+        except Exception as e:  # a network blip: the caller polls again, within its deadline
+            log.debug("listing the records of step %s failed (%s); will look again", dest.step, e)
+            return {}
+        out = {}
+        for r in ranks:
+            if _done_name(r) in present:
+                raw = self._cat(self._records(dest, _done_name(r)))
+                if raw is not None:
+                    out[r] = Done.from_doc(json.loads(raw))
+        return out
+
+    def write_outcome(self, dest: Destination, outcome: Outcome, deadline: float) -> None:
+        doc = {"ok": outcome.ok, "error": outcome.error}
+        self._pipe(self._records(dest, "outcome.json"), json.dumps(doc).encode(), deadline, "outcome")
+
+    def read_outcome(self, dest: Destination) -> Optional[Outcome]:
+        try:
+            raw = self._cat(self._records(dest, "outcome.json"))
+        except Exception as e:
+            log.debug("reading the outcome of step %s failed (%s); will look again", dest.step, e)
+            return None
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+        return Outcome(bool(doc.get("ok")), str(doc.get("error") or ""))
+
+    def drop_records(self, save_id: str) -> None:
+        """On object storage rank 0's writer sweeps records after its next commit: no remote call here."""
+
+
+def open_root(url: str, *, storage_options: Optional[Dict[str, Any]] = None, local_staging: Optional[str] = None,
+              timeout: float = 600.0, faults: Optional[Faults] = None) -> Root:
+    """The root at ``url``: a directory (:class:`PosixRoot`) or an fsspec URL (:class:`ObjectRoot`)."""
+    if remote.is_remote(url):
+        return ObjectRoot(url, storage_options=storage_options, local_staging=local_staging, timeout=timeout,
+                          faults=faults)
+    return PosixRoot(url, faults=faults)
+
+
+def split_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Root, str]:
+    """(root, name) of a checkpoint given by its own location (``.../step_100``, a one-shot directory)."""
+    if remote.is_remote(path):
+        url = str(path).rstrip("/")
+        parent, _, name = url.rpartition("/")
+        return ObjectRoot(parent, storage_options=storage_options), name
+    full = os.path.abspath(os.fspath(path))
+    return PosixRoot(os.path.dirname(full), detached=True), os.path.basename(full)
+
+
+def resolve(location: str, step: Optional[int] = None, *,
+            storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Root, str, Optional[int]]:
+    """(root, name, step) of the checkpoint a user names: ``location`` itself when it is a
+    checkpoint (step None), else the checkpoint ``step`` of the root ``location`` (None: the
+    one ``latest_step()`` names, as a manager's ``load()`` would).
+
+    Raises :class:`~nostall.CheckpointNotFoundError` naming what was looked for.
+    """
+    from .errors import CheckpointNotFoundError
+
+    if step is None:
+        root, name = split_checkpoint(location, storage_options)
+        if root.manifest_bytes(name) is not None:  # a checkpoint (reading it says whether it is a sound one)
+            return root, name, None
+    root = open_root(location, storage_options=storage_options)
+    if step is None:
+        step = root.latest_step()
+        if step is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {root.url}: no {MANIFEST_NAME} there, "
+                                          "and no step_<N> checkpoint in it")
+    if not root.is_checkpoint(step_name(step)):
+        raise CheckpointNotFoundError(f"{root.path(step_name(step))} is not a committed checkpoint: no "
+                                      f"checkpoint of step {step} (committed steps: {root.steps()})")
+    return root, step_name(step), step
