@@ -13,6 +13,7 @@ import traceback
 __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
+    "CheckpointTimeoutError",
     "InvalidStateError",
     "CheckpointLoadError",
     "CheckpointCorruptError",
@@ -26,6 +27,15 @@ class CheckpointError(Exception):
 
 class CheckpointSaveError(CheckpointError):
     """A save did not commit. The previous checkpoint is untouched."""
+
+
+class CheckpointTimeoutError(CheckpointSaveError, TimeoutError):
+    """Another rank did not reach a save's collective step within the manager's ``timeout``.
+
+    Usually a rank that calls ``save()`` late (uneven work before the save) or
+    is stuck; raise ``timeout`` if such delays are legitimate. Nothing was
+    committed; a CheckpointManager's next ``save()`` (on every rank) works again.
+    """
 
 
 class InvalidStateError(CheckpointSaveError, ValueError):
