@@ -200,7 +200,7 @@ def _deleted_mid_save(rank, world, root):
 
     mgr = nostall.CheckpointManager(root, keep_last=None, async_save=True, timeout=20)
     assert _save_outcome(mgr, 1, _state(1, rank, world)) is None
-    mgr._saver.test_writer_delay_s = 1.0
+    mgr._faults.writer_delay_s = 1.0
     mgr.save(2, _state(2, rank, world))  # returns at once; the writers start after 1 s
     dist.barrier()
     if rank == 0:
@@ -212,7 +212,7 @@ def _deleted_mid_save(rank, world, root):
     except nostall.CheckpointSaveError as e:
         err = str(e)
     waited = time.monotonic() - t0
-    mgr._saver.test_writer_delay_s = 0.0
+    mgr._faults.writer_delay_s = 0.0
     dist.barrier()
     ok_again = _save_outcome(mgr, 3, _state(3, rank, world))
     _check_loads(mgr, 3, rank, world)

@@ -151,7 +151,7 @@ def test_resaving_a_step_keeps_the_old_one_valid_until_the_new_commit(s3, tmp_pa
     mgr.save(5, {"w": torch.full((1024,), 1.0)})
     mgr.finalize_pending_saves()
     # a failed re-save of step 5 leaves the first one intact
-    mgr._saver.test_writer_fault = "enospc"
+    mgr._faults.writer_fault = "enospc"
     mgr.save(5, {"w": torch.full((1024,), 2.0)})
     with pytest.raises(nostall.CheckpointSaveError, match="step 5"):
         mgr.finalize_pending_saves()
@@ -159,7 +159,7 @@ def test_resaving_a_step_keeps_the_old_one_valid_until_the_new_commit(s3, tmp_pa
     mgr.load({"w": w}, 5)
     assert torch.equal(w, torch.full((1024,), 1.0))
     # a successful one replaces it; the older data file is removed after the commit
-    mgr._saver.test_writer_fault = None
+    mgr._faults.writer_fault = None
     mgr.save(5, {"w": torch.full((1024,), 3.0)})
     mgr.finalize_pending_saves()
     mgr.load({"w": w}, 5)
@@ -185,7 +185,7 @@ def test_transient_upload_failure_is_retried_and_a_lasting_one_fails_cleanly(s3,
         mgr.save(1, {"w": torch.full((1 << 18,), 1.0)})
         mgr.finalize_pending_saves()
         # a 1.5 s outage while step 2 uploads: the writer's retries ride it out
-        mgr._saver.test_writer_delay_s = 0.2
+        mgr._faults.writer_delay_s = 0.2
         mgr.save(2, {"w": torch.full((1 << 18,), 2.0)})
         proxy.outage(1.5)
         mgr.finalize_pending_saves(timeout=90)
@@ -214,10 +214,10 @@ def test_transient_upload_failure_is_retried_and_a_lasting_one_fails_cleanly(s3,
 
 def test_large_file_goes_up_in_parallel_multipart_parts_with_progress(s3, tmp_path, monkeypatch, caplog):
     """A data file over two parts is uploaded multipart (S3's ETag says how many parts), logged, and loads."""
-    from nostall import commit_remote
+    from nostall import roots
 
-    monkeypatch.setattr(commit_remote, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
-    monkeypatch.setattr(commit_remote, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(roots, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(roots, "PROGRESS_EVERY_S", 0.0)
     bucket = s3.make_bucket("multipart")
     root = f"s3://{bucket}/run"
     w = torch.randn(3 << 20)  # 12 MiB: three parts
