@@ -116,9 +116,10 @@ def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
             model[f"p{i}"] = torch.randn(shape, generator=rep)
             optim[f"p{i}"] = {"exp_avg": torch.zeros(shape), "exp_avg_sq": torch.zeros(shape)}
         else:
-            def shard() -> Any:
+            def shard(shape: Tuple[int, int] = shape, rows: int = rows) -> Any:
                 local = torch.randn(shape, generator=g)
-                return DTensor.from_local(local, mesh, [Shard(0)], shape=(rows * world, 256), stride=(256, 1))
+                return DTensor.from_local(local, mesh, [Shard(0)], shape=torch.Size((rows * world, 256)),
+                                          stride=(256, 1))
 
             model[f"p{i}"] = shard()
             optim[f"p{i}"] = {"exp_avg": shard(), "exp_avg_sq": shard()}
@@ -259,7 +260,8 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     mgr_remote = None
     if REMOTE in systems:
         url = f"{cfg['remote'].rstrip('/')}/{cfg['run_id']}"
-        mgr_remote = nostall.CheckpointManager(url, async_save=True, keep_last=1, storage_options=cfg["storage_options"],
+        mgr_remote = nostall.CheckpointManager(url, async_save=True, keep_last=1,
+                                               storage_options=cfg["storage_options"],
                                                local_staging_dir=os.path.join(root, "remote-staging"))
     compute_s = cfg.get("compute_ms", 200) / 1e3
     dcp_proc_stager = None
@@ -293,12 +295,14 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     def run(system: str, rep: int) -> Tuple[float, float]:
         d = os.path.join(root, system, f"r{rep}")
         if system == "nostall_sync":
+            assert mgr_sync is not None
             t0 = time.perf_counter()
             mgr_sync.save(rep, state)
             x = time.perf_counter() - t0
             return x, x
         if system in ("nostall_async", REMOTE):
             mgr = mgr_async if system == "nostall_async" else mgr_remote
+            assert mgr is not None
             mgr.finalize_pending_saves()
             dist.barrier()
             t0 = time.perf_counter()
@@ -307,6 +311,7 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             h.result()
             return stall, time.perf_counter() - t0
         if system == "nostall_overlap":
+            assert mgr_overlap is not None
             mgr_overlap.finalize_pending_saves()
             dist.barrier()
             t0 = time.perf_counter()
@@ -432,6 +437,7 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             d = os.path.join(root, system, "train")
             if system in ("nostall_async", "nostall_overlap", REMOTE):
                 mgr = {"nostall_async": mgr_async, "nostall_overlap": mgr_overlap, REMOTE: mgr_remote}[system]
+                assert mgr is not None
                 mgr.finalize_pending_saves()
                 h = mgr.save(10_000, state)
                 done: Callable[[], bool] = h.done
@@ -445,7 +451,7 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
                                    async_stager=dcp_proc_stager)
                 fut = getattr(r, "upload_completion", None) or r
                 done = fut.done
-            steps = []
+            steps: List[float] = []
             while not done() or len(steps) < 3:
                 steps.append(loop.step())
                 if len(steps) > 100_000:

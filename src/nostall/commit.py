@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._faults import crash_point
 from .errors import CheckpointSaveError, describe
-from .jobs import Crcs, Destination, Done, FileJob, JobResult, Outcome, SaveJob
+from .jobs import Crcs, Done, FileJob, JobResult, Outcome, SaveJob
 from . import storage
 from .format import block_crcs
 

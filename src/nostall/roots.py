@@ -49,6 +49,7 @@ import abc
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -183,7 +184,7 @@ class Root(abc.ABC):
     def claim(self) -> Claim:
         """Rank 0, when a manager opens the root: take it, then remove what crashed saves left."""
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - optional step, no-op by default
         """Refuse a root that nostall cannot use safely (raises naming the entry)."""
 
     # ------------------------------------------------------------------ one save
@@ -191,14 +192,14 @@ class Root(abc.ABC):
     def make_staging(self, dest: Destination) -> None:
         """Rank 0, before the plan: the save's staging area (nothing remote)."""
 
-    def make_records(self, dest: Destination) -> None:
+    def make_records(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, before the plan, async saves: the save's records (nothing remote)."""
 
     @abc.abstractmethod
     def open_staging(self, dest: Destination, rank: int) -> str:
         """Every rank, before writing: the local directory where it writes its files."""
 
-    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:  # noqa: B027 - optional step, no-op by default
         """Every rank, after writing: move its staged files into the checkpoint (a no-op on POSIX)."""
 
     @abc.abstractmethod
@@ -209,7 +210,7 @@ class Root(abc.ABC):
     def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
         """Rank 0, before the commit: every data file is there with its planned size."""
 
-    def prepare_latest(self, dest: Destination) -> None:
+    def prepare_latest(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, before the commit point: whatever moving ``latest`` needs that can fail for lack of space."""
 
     @abc.abstractmethod
@@ -220,14 +221,6 @@ class Root(abc.ABC):
         """
 
     @abc.abstractmethod
-    def _drop_mark(self, path: str) -> None:
-        """The mark of an entry that is gone (renamed into place, say)."""
-        if _lkind(path) is None:
-            try:
-                os.unlink(self._mark_of(path))
-            except FileNotFoundError:
-                pass
-
     def move_latest(self, dest: Destination) -> None:
         """Rank 0, right after the commit point: ``latest`` names ``dest.step``."""
 
@@ -243,7 +236,7 @@ class Root(abc.ABC):
     def delete_step(self, step: int) -> None:
         """Retention: delete the committed checkpoint of ``step`` (it stops being one first)."""
 
-    def sweep(self, dest: Destination) -> None:
+    def sweep(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, after a commit: delete what earlier crashed saves left (never raises)."""
 
     # ------------------------------------------------------------------ records
@@ -462,10 +455,10 @@ class PosixRoot(Root):
                 return Claim(False, owner)
             log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
                         "second job on this root: make sure one job saves to it at a time", self.url, e)
-        owner = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                            "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, owner, 0)
+        os.pwrite(fd, record, 0)
         self._clean_leftovers()
         return Claim(True, "", fd)
 
@@ -851,7 +844,7 @@ class ObjectRoot(Root):
             url = _join(self.url, dest.name, self.data_name(dest, name))
             key = self._key(dest.name, self.data_name(dest, name))
             try:
-                self._retry(f"upload {url}", lambda: _put(fs, local, key, url, size), deadline)
+                self._retry(f"upload {url}", functools.partial(_put, fs, local, key, url, size), deadline)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"uploading {url}: the bucket or prefix does not exist ({e})") from None
             dt = max(time.monotonic() - t0, 1e-9)
@@ -867,7 +860,7 @@ class ObjectRoot(Root):
         for name, size in files.items():
             url = _join(self.url, dest.name, name)
             try:
-                got = self._retry(f"stat {url}", lambda: fs.size(self._key(dest.name, name)))
+                got = self._retry(f"stat {url}", functools.partial(fs.size, self._key(dest.name, name)))
             except FileNotFoundError:
                 raise CheckpointSaveError(f"{url} is missing at commit time") from None
             if got != size:
@@ -892,14 +885,6 @@ class ObjectRoot(Root):
                     fs.rm(self._key(dest.name, n))
         except Exception as e:  # committed; leftovers are only space
             log.warning("could not remove older data files under %s: %s", self.path(dest.name), e)
-
-    def _drop_mark(self, path: str) -> None:
-        """The mark of an entry that is gone (renamed into place, say)."""
-        if _lkind(path) is None:
-            try:
-                os.unlink(self._mark_of(path))
-            except FileNotFoundError:
-                pass
 
     def move_latest(self, dest: Destination) -> None:
         fs = self._fs()[0]
@@ -936,7 +921,7 @@ class ObjectRoot(Root):
         crash_point("retain.moved", step)
         for n in self._ls(name):
             if n in m.files or _DATA_RE.match(n):
-                self._retry(f"delete {self.path(name)}/{n}", lambda: fs.rm(self._key(name, n)))
+                self._retry(f"delete {self.path(name)}/{n}", functools.partial(fs.rm, self._key(name, n)))
         log.info("retention: deleted %s", self.path(name))
 
     def sweep(self, dest: Destination) -> None:
@@ -951,7 +936,7 @@ class ObjectRoot(Root):
                     continue
                 for r in self._ls(TMP_DIR, n):
                     if _RECORD_RE.match(r):
-                        self._retry(f"delete {n}/{r}", lambda: fs.rm(self._key(TMP_DIR, n, r)))
+                        self._retry(f"delete {n}/{r}", functools.partial(fs.rm, self._key(TMP_DIR, n, r)))
                 log.info("removed the records of an earlier save: %s", _join(self.url, TMP_DIR, n))
             committed = set(self.steps())
             for n in self._ls():
@@ -960,7 +945,7 @@ class ObjectRoot(Root):
                     continue
                 for f in self._ls(n):
                     if _DATA_RE.match(f):
-                        self._retry(f"delete {n}/{f}", lambda: fs.rm(self._key(n, f)))
+                        self._retry(f"delete {n}/{f}", functools.partial(fs.rm, self._key(n, f)))
                         log.info("removed %s, left by an earlier save", _join(self.url, n, f))
         except Exception as e:  # committed; leftovers are only space
             log.warning("could not sweep the leftovers of earlier saves under %s: %s", self.url, e)

@@ -316,7 +316,8 @@ class Saver:
                   or _failures([r[1] for r in round1], "save", step, CheckpointSaveError))
         if agreed is None and len({r[4] for r in round1}) > 1:
             agreed = InvalidStateError(
-                "ranks disagree on the step being saved: " + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
+                "ranks disagree on the step being saved: "
+                + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
             )
         if agreed is not None:
             return agreed, None
@@ -466,7 +467,8 @@ def _tensor_parts(fp: FilePlan, flat: FlatState) -> Iterator[Tuple[int, memoryvi
         t = host_contiguous(source_tensor(flat, item))
         buf = byte_view(t)
         if len(buf) != item.end - item.start:
-            raise RuntimeError(f"key {item.key!r}: tensor has {len(buf)} bytes, the plan expects {item.end - item.start}")
+            raise RuntimeError(f"key {item.key!r}: tensor has {len(buf)} bytes, "
+                               f"the plan expects {item.end - item.start}")
         yield item.start, buf
         del buf, t
 

@@ -133,9 +133,9 @@ class WorkerDispatch:
         timeout: float = 600.0,
         **kwargs: Any,
     ) -> "WorkerDispatch":
-        """Create ``world_size`` actors of ``worker_cls(rank, world_size, *args, **kwargs)`` and join them in one group."""
+        """Create ``world_size`` actors of ``worker_cls(rank, world_size, *args, **kwargs)``; join them in one group."""
         remote_cls = ray.remote(num_cpus=num_cpus)(worker_cls)
-        actors = [remote_cls.remote(r, world_size, *args, **kwargs) for r in range(world_size)]
+        actors: List[Any] = [remote_cls.remote(r, world_size, *args, **kwargs) for r in range(world_size)]
         d = cls(actors, timeout)
         try:
             d.call("free_port")  # every actor is up (scheduled and constructed)

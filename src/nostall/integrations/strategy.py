@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import load as _load_path
-from ..errors import CheckpointError, CheckpointLoadError, CheckpointNotFoundError, InvalidStateError
+from ..errors import CheckpointError, CheckpointLoadError, InvalidStateError
 from ..handles import SaveHandle
 from ..manager import CheckpointManager
 from ..options import Options
@@ -223,7 +223,8 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         return
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     if any(p.grad is not None for p in params):
-        raise CheckpointError("init_optimizer_state: parameters already hold gradients; call zero_grad(set_to_none=True) first")
+        raise CheckpointError("init_optimizer_state: parameters already hold gradients; "
+                              "call zero_grad(set_to_none=True) first")
     saved_lrs = []
     for g in optimizer.param_groups:
         lr = g.get("lr")

@@ -158,7 +158,6 @@ def _tensor_piece(st: Any, where: str) -> Optional[_Piece]:
             )
         grid.append(g // c)
         cell.append(o // c)
-    n = numel(chunk)
     layout["flat"] = {"chunk": list(chunk), "grid": grid}
     nd = len(chunk)
     return _Piece(st.key, goff[:p], tuple(cell) + (start,), (1,) * nd + (stop - start,),
@@ -233,7 +232,6 @@ def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
     pieces: List[_Piece] = []
     descr: List[Tuple[str, Shape, Shape, Shape, str]] = []
     objects: Dict[str, Any] = {}
-    common_state: Dict[str, Any] = {}
     skeleton: Any = None
     common_tensors: List[torch.Tensor] = []
     try:
@@ -445,7 +443,8 @@ class _Loader:
                 continue
             inter = [h - l for l, h in zip(lo, hi)]
             nkey = join_components(base + ["@" + ",".join(str(o) for o in boff)])
-            self.src.read(nkey, [l - b for l, b in zip(lo, boff)], _region(dest, [l - o for l, o in zip(lo, off)], inter))
+            self.src.read(nkey, [l - b for l, b in zip(lo, boff)],
+                          _region(dest, [l - o for l, o in zip(lo, off)], inter))
             covered += numel(inter)
         if covered != numel(shape):
             raise CheckpointCorruptError(f"{self.src.path}: the stored boxes of {key!r} do not cover the region "
@@ -467,7 +466,7 @@ class _Loader:
         shape = tuple(dest.shape)
         first = [o // c for o, c in zip(off, chunk)]
         last = [(o + s - 1) // c for o, s, c in zip(off, shape, chunk)]
-        cells = [()]  # every stored chunk that intersects the region
+        cells: List[Tuple[int, ...]] = [()]  # every stored chunk that intersects the region
         for a, b in zip(first, last):
             cells = [c + (i,) for c in cells for i in range(a, b + 1)]
         nd = len(chunk)
@@ -522,7 +521,8 @@ class _Loader:
             return data
         flat = info.get("flat") if info is not None else None
         nd = len(chunk)
-        if flat is not None and tuple(flat["chunk"]) == chunk and all(o % c == 0 for o, c in zip(off, chunk)):
+        if (info is not None and flat is not None and tuple(flat["chunk"]) == chunk
+                and all(o % c == 0 for o, c in zip(off, chunk))):
             cell = tuple(o // c for o, c in zip(off, chunk))
             self._read_stored(st.key, sub, info, cell + (a,), data.view((1,) * nd + (b - a,)))
             return data

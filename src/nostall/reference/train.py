@@ -65,7 +65,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         loop=a.loop, steps=a.steps, stop_after=a.stop_after, ckpt_dir=a.ckpt_dir, ckpt_interval=a.ckpt_interval,
-        save_at=tuple(a.save_at), async_save=a.async_save, overlap=a.overlap, keep_last=a.keep_last, resume=a.resume, tp=a.tp,
+        save_at=tuple(a.save_at), async_save=a.async_save, overlap=a.overlap, keep_last=a.keep_last, resume=a.resume,
+        tp=a.tp,
         seed=a.seed, global_batch=a.global_batch,
         model=GPTConfig(seq_len=a.seq_len, d_model=a.d_model, n_head=a.heads, n_layer=a.layers),
         measure_sync_save=a.measure_sync_save, timeout=a.timeout, storage_options=a.storage_options,
