@@ -16,11 +16,11 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import remote, roots
 from .errors import CheckpointError
-from .format import MANIFEST_NAME, Manifest
+from .format import Manifest
 from .loading import check_checkpoint, read_manifest
 
 
@@ -53,7 +53,8 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
         "step": m.step,
         "format_version": m.version,
         "world_size": m.world_size,
-        "files": [{"name": f.name, "rank": f.rank, "size": f.size} for f in sorted(m.files.values(), key=lambda f: f.name)],
+        "files": [{"name": f.name, "rank": f.rank, "size": f.size}
+                  for f in sorted(m.files.values(), key=lambda f: f.name)],
         "total_bytes": sum(f.size for f in m.files.values()),
         "tensors": tensors,
         "objects": sorted(m.objects),
@@ -155,12 +156,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if not entries:
         print(f"{out['root']}: no committed checkpoint")
         return 0
-    print(f"{out['root']}: {len(entries)} committed checkpoint(s)" + (f", latest step {latest}" if latest is not None else ""))
+    print(f"{out['root']}: {len(entries)} committed checkpoint(s)"
+          + (f", latest step {latest}" if latest is not None else ""))
     for e in entries:
         size = _human(e["bytes"]) if e["bytes"] is not None else "?"
         name = f"step_{e['step']}" if e["step"] is not None else os.path.basename(e["path"].rstrip("/"))
         mark = "  <- latest" if e["latest"] else ""
-        detail = f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None else f"UNREADABLE: {e['error']}"
+        detail = (f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None
+                  else f"UNREADABLE: {e['error']}")
         print(f"  {name:<14} {size:>11}  {e['modified'] or '?':<20}  {detail}{mark}")
     return 0
 
@@ -220,7 +223,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     memory_limit = parse_size(args.memory_limit)
     result: Dict[str, Any] = {"src": args.src, "dst": args.dst, "from": src_kind, "to": dst_kind}
 
-    def bar(label: str) -> Optional[Callable[[int, int], None]]:
+    def bar(label: str) -> Optional[_ProgressLine]:
         return _ProgressLine(label) if show else None
 
     tmp: Optional[str] = None
@@ -294,7 +297,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args_in = sys.argv[1:] if argv is None else list(argv)
     if args_in[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
         return _bench(args_in[1:])
-    p = argparse.ArgumentParser(prog="nostall", description="Inspect, verify, list, convert and benchmark nostall checkpoints.")
+    p = argparse.ArgumentParser(prog="nostall",
+                                description="Inspect, verify, list, convert and benchmark nostall checkpoints.")
     sub = p.add_subparsers(dest="cmd", required=True)
     pi = sub.add_parser("inspect", help="show what a checkpoint holds")
     pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")

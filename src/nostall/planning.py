@@ -172,12 +172,12 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
                 continue  # an empty shard (FSDP2 with more ranks than rows): nothing to store
             boxes.setdefault((t.offset, t.shape), []).append((r, t.main))
         if t0.sharded:
-            for (off, shp), holders in boxes.items():
-                mains = [r for r, main in holders if main]
+            for (off, shp), held in boxes.items():
+                mains = [r for r, main in held if main]
                 if not mains:
                     raise InvalidStateError(
                         f"key {key!r}: piece {box_str(off, shp)} is held by rank(s) "
-                        f"{[r for r, _ in holders]} but none with replica_id 0"
+                        f"{[r for r, _ in held]} but none with replica_id 0"
                     )
                 if len(mains) > 1:
                     raise InvalidStateError(
@@ -187,14 +187,14 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
             problem = cover_problem(t0.global_shape, list(boxes))
             if problem:
                 raise InvalidStateError(f"key {key!r}: {problem}")
-        for (off, shp), holders in sorted(boxes.items()):
-            pieces.append((key, off, shp, t0.dtype, sorted(r for r, _ in holders)))
+        for (off, shp), held in sorted(boxes.items()):
+            pieces.append((key, off, shp, t0.dtype, sorted(r for r, _ in held)))
 
     # ---- owner assignment: fixed pieces first, then largest-first greedy
     load = [0] * world
     owner_of: Dict[Tuple[str, Shape], int] = {}
     for r, m in enumerate(metas):
-        for k, code, shape in m.per_rank:
+        for _k, code, shape in m.per_rank:
             load[r] += numel(shape) * itemsize(code)
     flexible = []
     for idx, (key, off, shp, code, holders) in enumerate(pieces):
@@ -213,7 +213,7 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
 
     # ---- files: one per rank that writes anything
     entries_of: Dict[int, List[Tuple[FileEntry, WriteItem]]] = {}
-    for key, off, shp, code, holders in pieces:
+    for key, off, shp, code, _holders in pieces:
         r = owner_of[(key, off)]
         dtype, gshape, _ = headers[key]
         e = FileEntry(piece_name(key, off, shp, gshape), code, shp, numel(shp) * itemsize(code))
@@ -234,12 +234,12 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
             header, where, size = layout_file(
                 [e for e, _ in ents], {"format": "nostall", "rank": str(r), "world_size": str(world)}
             )
-        except ValueError as e:
-            raise InvalidStateError(f"rank {r}: {e}") from None
+        except ValueError as err:
+            raise InvalidStateError(f"rank {r}: {err}") from None
         items = []
         for e, it in ents:
-            s, t = where[e.name]
-            w = WriteItem(it.key, it.per_rank, it.offset, name, s, t)
+            start, end = where[e.name]
+            w = WriteItem(it.key, it.per_rank, it.offset, name, start, end)
             items.append(w)
             placed[(r, it.key, it.per_rank, it.offset)] = w
         items.sort(key=lambda w: w.start)
@@ -247,7 +247,7 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
 
     tensors: Dict[str, TensorPlan] = {}
     grouped: Dict[str, List[PiecePlan]] = {}
-    for key, off, shp, code, holders in pieces:
+    for key, off, shp, _code, _holders in pieces:
         r = owner_of[(key, off)]
         w = placed[(r, key, False, off)]
         grouped.setdefault(key, []).append(PiecePlan(off, shp, r, w.file, w.start, w.end))

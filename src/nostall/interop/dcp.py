@@ -258,13 +258,16 @@ def _paths(md: Metadata) -> Dict[str, Tuple[Any, ...]]:
     out: Dict[str, Tuple[Any, ...]] = {}
     for fqn in md.state_dict_metadata:
         path = pd.get(fqn) if isinstance(pd, dict) else None
-        ok = isinstance(path, tuple) and path and all(isinstance(p, (str, int)) for p in path) \
-            and ".".join(str(p) for p in path) == fqn
-        out[fqn] = tuple(path) if ok else (fqn,)
+        if isinstance(path, tuple) and path and all(isinstance(p, (str, int)) for p in path) \
+                and ".".join(str(p) for p in path) == fqn:
+            out[fqn] = tuple(path)
+        else:
+            out[fqn] = (fqn,)
     return out
 
 
-def _nostall_keys(paths: Dict[str, Tuple[Any, ...]], tensors: Sequence[str]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
+def _nostall_keys(paths: Dict[str, Tuple[Any, ...]],
+                  tensors: Sequence[str]) -> Tuple[Dict[str, str], Dict[str, List[str]]]:
     """The nostall keys of a DCP state: rebuild the nested structure from the object paths
     and flatten it the way nostall flattens a state (a container without tensors is one
     JSON value). Returns fqn -> key for tensors, and object key -> fqns beneath it."""
@@ -404,9 +407,11 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
             check_json(v, fqn)
             values[fqn] = to_json(v)
         except Exception as e:
-            msg = f"{src}: value {fqn!r} is not a JSON value that loads with weights_only=True ({type(e).__name__}: {e})"
+            msg = (f"{src}: value {fqn!r} is not a JSON value that loads with weights_only=True "
+                   f"({type(e).__name__}: {e})")
             if unsupported_objects == "error":
-                raise CheckpointLoadError(msg + "; pass unsupported_objects='skip' (--skip-unsupported) to leave it out") from None
+                raise CheckpointLoadError(
+                    msg + "; pass unsupported_objects='skip' (--skip-unsupported) to leave it out") from None
             log.warning("%s; skipped", msg)
     objects: Dict[str, Any] = {}
     for key, fqns in object_keys.items():
@@ -416,13 +421,16 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
     tensors: List[TensorSource] = []
     for fqn in tensor_fqns:
         tmd = sd_md[fqn]
+        assert isinstance(tmd, TensorStorageMetadata)  # tensor_fqns holds only those
         code = dtype_code(tmd.properties.dtype)
         if code is None:
-            raise CheckpointSaveError(f"{src}: tensor {fqn!r} has dtype {tmd.properties.dtype}, which nostall cannot store")
+            raise CheckpointSaveError(
+                f"{src}: tensor {fqn!r} has dtype {tmd.properties.dtype}, which nostall cannot store")
         dtype = tmd.properties.dtype
         pieces = []
         for idx, ch in enumerate(tmd.chunks):
-            def produce(fqn: str = fqn, idx: int = idx, ch: ChunkStorageMetadata = ch, dtype: torch.dtype = dtype) -> torch.Tensor:
+            def produce(fqn: str = fqn, idx: int = idx, ch: ChunkStorageMetadata = ch,
+                        dtype: torch.dtype = dtype) -> torch.Tensor:
                 return read_chunk(fqn, idx, ch, dtype)
 
             pieces.append(PieceSource(tuple(int(x) for x in ch.offsets), tuple(int(x) for x in ch.sizes), produce))
@@ -431,7 +439,8 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
     prog = Progress(f"import {src} -> {dst}", total, progress)
     manifest = write_checkpoint(os.fspath(dst), tensors, objects, block_size=block_size, progress=prog)
     prog.finish()
-    log.info("imported %d tensor(s) and %d value(s) from DCP checkpoint %s into %s", len(tensors), len(objects), src, dst)
+    log.info("imported %d tensor(s) and %d value(s) from DCP checkpoint %s into %s", len(tensors), len(objects),
+             src, dst)
     return manifest
 
 

@@ -408,11 +408,11 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
                  "weight_map": dict(sorted(weight_map.items()))}
         ipath = os.path.join(dst, INDEX_NAME)
         tmp = created.temp_for(ipath)
-        with open(tmp, "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "w") as fi:
+            json.dump(index, fi, indent=2, sort_keys=True)
+            fi.write("\n")
+            fi.flush()
+            os.fsync(fi.fileno())
         ready.append((tmp, ipath))
     for tmp, path in ready:
         created.publish(tmp, path)
@@ -443,7 +443,8 @@ def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Stre
     reader = torch._C.PyTorchFileReader(tmp)
     offsets = {}
     for i, it in enumerate(items):  # storages are numbered in pickling order: the dict's order
-        offsets[it.name] = (f"data/{i}", reader.get_record_offset(f"data/{i}"))
+        # get_record_offset exists at runtime but is missing from torch's type stubs (torch/_C/__init__.pyi)
+        offsets[it.name] = (f"data/{i}", reader.get_record_offset(f"data/{i}"))  # type: ignore[attr-defined]
     del reader
     crcs: Dict[str, int] = {}
     with open(tmp, "r+b") as f:
@@ -451,9 +452,10 @@ def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Stre
             record, base = offsets[it.name]
             running = [0, 0]  # crc, next expected position (slabs arrive in order)
 
-            def write_at(pos: int, data: memoryview, base: int = base, running: List[int] = running) -> None:
+            def write_at(pos: int, data: memoryview, base: int = base, running: List[int] = running,
+                         key: str = it.key) -> None:
                 if pos != running[1]:
-                    raise CheckpointSaveError(f"{it.key!r}: out-of-order write at {pos}")
+                    raise CheckpointSaveError(f"{key!r}: out-of-order write at {pos}")
                 f.seek(base + pos)
                 f.write(data)
                 running[0] = zlib.crc32(data, running[0])
