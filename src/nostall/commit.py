@@ -249,7 +249,7 @@ def _after_commit(job: SaveJob) -> None:
         return
     try:
         for s in steps_to_delete(root.steps(), dest.keep_last, dest.step):
-            root.delete_step(s)
+            root.delete_step(s, dest.step)
     except Exception as e:  # the checkpoint is committed; retention is best effort
         log.warning("retention after step %s failed: %s", dest.step, e)
     root.sweep(dest)

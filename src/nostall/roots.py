@@ -21,10 +21,11 @@ Layout (both; see docs/protocol.md)::
     <root>/.tmp/commit-<id>/    a save's per-rank done records and its outcome
     <root>/.tmp/trash-<id>/     a checkpoint being deleted (POSIX)
 
-What nostall may delete: only entries it can prove it made. Every directory
-it creates under ``.tmp`` carries a marker file (``.nostall``) holding the
-save id in its name; a step directory is deleted only once its manifest
-parses as a nostall manifest. Nothing inside a root is followed if it is a
+What nostall may delete: only entries it can prove it made. Every entry it
+creates under ``.tmp`` is preceded by its mark, a file ``<entry>.nostall``
+holding the id in the entry's name (written first, so a crash never leaves
+an unmarked entry of ours); a step directory is deleted or replaced only once
+its manifest parses as a nostall manifest. Nothing inside a root is followed if it is a
 symbolic link: a root whose ``.tmp``, ``latest`` or ``step_<N>`` is one is
 refused with an error naming it.
 
@@ -233,8 +234,11 @@ class Root(abc.ABC):
         """Rank 0, after a failure before the commit point: remove this save's staging and uploads."""
 
     @abc.abstractmethod
-    def delete_step(self, step: int) -> None:
-        """Retention: delete the committed checkpoint of ``step`` (it stops being one first)."""
+    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
+        """Retention: delete the committed checkpoint of ``step`` (it stops being one first).
+
+        ``saving``: the step whose save's retention this is (for the crash points).
+        """
 
     def sweep(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, after a commit: delete what earlier crashed saves left (never raises)."""
@@ -601,7 +605,7 @@ class PosixRoot(Root):
         self._remove_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
         self._remove_ours(self._tmp("latest", dest.save_id), dest.save_id)
 
-    def delete_step(self, step: int) -> None:
+    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
         name = step_name(step)
         if not self.is_checkpoint(name):
             log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
@@ -610,7 +614,7 @@ class PosixRoot(Root):
         trash = self._tmp("trash", trash_id)
         self._make_ours(trash, trash_id, make_dir=False)
         os.rename(self.path(name), trash)  # it stops being a checkpoint atomically, then is deleted
-        crash_point("retain.moved", step)
+        crash_point("retain.moved", saving)
         self._remove_ours(trash, trash_id)
         storage.fsync_dir(self.url)
 
@@ -909,7 +913,7 @@ class ObjectRoot(Root):
         except Exception as e:
             log.warning("could not remove the partial upload under %s: %s", self.path(dest.name), e)
 
-    def delete_step(self, step: int) -> None:
+    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
         name = step_name(step)
         m = self._manifest(name)
         if m is None:
@@ -918,7 +922,7 @@ class ObjectRoot(Root):
         fs = self._fs()[0]
         # the manifest first: a half-deleted checkpoint is never listed
         self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
-        crash_point("retain.moved", step)
+        crash_point("retain.moved", saving)
         for n in self._ls(name):
             if n in m.files or _DATA_RE.match(n):
                 self._retry(f"delete {self.path(name)}/{n}", functools.partial(fs.rm, self._key(name, n)))
