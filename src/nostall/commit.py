@@ -103,10 +103,14 @@ def write_files(source: FileSource) -> Writer:
 class Barrier:
     """How the ranks of one save meet: every rank reports, rank 0 decides, every rank learns.
 
-    ``gather`` is called by every rank (rank 0 gets every rank's record, or
-    what arrived before a failure or the deadline); then rank 0 calls
-    ``announce`` and every other rank ``await_outcome``.
+    ``begin`` is called by every rank before it writes; ``gather`` by every
+    rank once written (rank 0 gets every rank's record, or what arrived
+    before a failure or the deadline); then rank 0 calls ``announce`` and
+    every other rank ``await_outcome``.
     """
+
+    def begin(self, job: SaveJob) -> None:
+        """Before writing: whatever reporting a failure later must not need (space, say)."""
 
     def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
         raise NotImplementedError
@@ -150,6 +154,9 @@ def poll_until(deadline: float, what: str, check: Callable[[], Optional[object]]
 
 class RecordBarrier(Barrier):
     """Background saves: done records and the outcome on the root, polled (no collective)."""
+
+    def begin(self, job: SaveJob) -> None:
+        job.dest.root.reserve_done(job.dest, job.rank)
 
     def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
         root = job.dest.root
@@ -269,6 +276,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
     try:
         if job.faults.writer_delay_s:
             time.sleep(job.faults.writer_delay_s)
+        barrier.begin(job)
         staging = root.open_staging(dest, job.rank)
         job.faults.check_write(staging)
         crash_point("write.start", job.step)
@@ -284,21 +292,28 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
     crash_point("write.done", job.step)
     t1 = time.perf_counter()
     try:
-        dones = barrier.gather(job, mine, deadline)
-        if job.rank == 0:
-            outcome = _decide(job, dones)
-            barrier.announce(job, outcome, deadline + COMMIT_SLACK_S / 4)
-            if outcome.ok:
-                _after_commit(job)  # after the other ranks can know the outcome
-        else:
-            outcome = barrier.await_outcome(job, deadline)
+        dones: Optional[Dict[int, Done]] = barrier.gather(job, mine, deadline)
+        gather_error = ""
     except Exception as e:
-        outcome = Outcome(False, f"rank {job.rank}: {describe(e)}")
-        if job.rank == 0:  # the outcome is unknown to the others: this save must not commit later
-            try:
-                root.abort(dest)
-            except Exception:
-                pass
+        dones, gather_error = None, f"rank {job.rank}: reporting its part of step {job.step}: {describe(e)}"
+        log.error("%s", gather_error)
+    if job.rank == 0:
+        # rank 0 always decides and announces, even when its own report failed: nobody waits in vain
+        outcome = _decide(job, dones if dones is not None else {0: Done(False, error=gather_error)})
+        try:
+            barrier.announce(job, outcome, deadline + COMMIT_SLACK_S / 4)
+        except Exception as e:  # what rank 0 reports stays what is on disk; the others time out
+            log.error("rank 0: announcing the outcome of step %s failed: %s", job.step, describe(e))
+        if outcome.ok:
+            _after_commit(job)  # after the other ranks can know the outcome
+    elif dones is None:
+        outcome = Outcome(False, gather_error)
+    else:
+        try:
+            outcome = barrier.await_outcome(job, deadline)
+        except Exception as e:
+            outcome = Outcome(False, f"rank {job.rank}: waiting for rank 0's outcome of step {job.step}: "
+                                     f"{describe(e)}")
     res.commit_s = time.perf_counter() - t1
     res.ok = outcome.ok
     if not res.ok:

@@ -244,9 +244,16 @@ class Root(abc.ABC):
         """Rank 0, after a commit: delete what earlier crashed saves left (never raises)."""
 
     # ------------------------------------------------------------------ records
+    def reserve_done(self, dest: Destination, rank: int) -> None:  # noqa: B027 - optional step, no-op by default
+        """Every rank, before writing (background saves): make what recording a failure will need."""
+
     @abc.abstractmethod
     def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
-        """A rank's done record (atomic: readers never see half of it)."""
+        """A rank's done record (atomic: readers never see half of it).
+
+        Raises when the record could not be written; where a failure can still
+        be recorded without space (see :meth:`reserve_done`), it is.
+        """
 
     @abc.abstractmethod
     def read_dones(self, dest: Destination, ranks: Iterable[int]) -> Dict[int, Done]:
@@ -623,9 +630,25 @@ class PosixRoot(Root):
         self.faults.check(op, path)
         storage.atomic_write(path, data)
 
+    def reserve_done(self, dest: Destination, rank: int) -> None:
+        storage.write_file(os.path.join(self._records(dest.save_id), f"rank{rank}.pending"), [])
+
     def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
-        self._write_record(os.path.join(self._records(dest.save_id), _done_name(rank)),
-                           json.dumps(done.to_doc(), sort_keys=True).encode(), "record")
+        d = self._records(dest.save_id)
+        try:
+            self._write_record(os.path.join(d, _done_name(rank)), json.dumps(done.to_doc(), sort_keys=True).encode(),
+                               "record")
+        except OSError:
+            # no space for the record (a full disk): a failure is still recorded, by a rename
+            try:
+                os.rename(os.path.join(d, f"rank{rank}.pending"), os.path.join(d, f"rank{rank}.failed"))
+            except FileNotFoundError:
+                pass
+            raise
+        try:
+            os.unlink(os.path.join(d, f"rank{rank}.pending"))
+        except FileNotFoundError:
+            pass
 
     def read_dones(self, dest: Destination, ranks: Iterable[int]) -> Dict[int, Done]:
         d = self._records(dest.save_id)
@@ -638,6 +661,9 @@ class PosixRoot(Root):
             if _done_name(r) in present:
                 raw = storage.read_small_file(os.path.join(d, _done_name(r)), RECORD_MAX_BYTES)
                 out[r] = Done.from_doc(json.loads(raw))
+            elif f"rank{r}.failed" in present:
+                out[r] = Done(False, error=f"rank {r}: its part of step {dest.step} failed and no record of why "
+                                           "could be written (is the disk full?)")
         return out
 
     def write_outcome(self, dest: Destination, outcome: Outcome, deadline: float) -> None:
