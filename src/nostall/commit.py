@@ -296,6 +296,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
         gather_error = ""
     except Exception as e:
         dones, gather_error = None, f"rank {job.rank}: reporting its part of step {job.step}: {describe(e)}"
+        res.timed_out = isinstance(e, TimeoutError)
         log.error("%s", gather_error)
     if job.rank == 0:
         # rank 0 always decides and announces, even when its own report failed: nobody waits in vain
@@ -312,6 +313,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
         try:
             outcome = barrier.await_outcome(job, deadline)
         except Exception as e:
+            res.timed_out = isinstance(e, TimeoutError)
             outcome = Outcome(False, f"rank {job.rank}: waiting for rank 0's outcome of step {job.step}: "
                                      f"{describe(e)}")
     res.commit_s = time.perf_counter() - t1

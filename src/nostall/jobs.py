@@ -148,6 +148,7 @@ class JobResult:
     write_s: float = 0.0
     commit_s: float = 0.0
     bytes_written: int = 0
+    timed_out: bool = False  # a wait ran out (another rank, the writer, storage)
 
 
 class Op(enum.Enum):

@@ -39,7 +39,7 @@ from ._faults import Faults, crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
 from .commit import Barrier, run_job, write_files
-from .errors import CheckpointError, CheckpointSaveError, InvalidStateError, describe
+from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
 from .format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
 from .handles import SaveStats
 from .jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
@@ -372,7 +372,7 @@ class Saver:
 
         result = run_job(job, write_files(source), CollectiveBarrier(comm))
         if not result.ok:
-            raise CheckpointSaveError(_failure(p.step, result))
+            raise _failure(p.step, result)
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=comm.rank, world_size=comm.size, async_save=False,
@@ -429,7 +429,7 @@ class Saver:
         """Stats of a finished asynchronous save, or its error."""
         p = pending.prepared
         if not result.ok:
-            raise CheckpointSaveError(_failure(p.step, result))
+            raise _failure(p.step, result)
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
@@ -445,10 +445,12 @@ class Saver:
         return stats
 
 
-def _failure(step: Optional[int], result: JobResult) -> str:
+def _failure(step: Optional[int], result: JobResult) -> CheckpointSaveError:
+    """The error a failed save raises: a timeout when a wait ran out."""
     prefix = f"save of step {step} failed"
     error = result.error or "unknown error"
-    return error if error.startswith(prefix) else f"{prefix}: {error}"
+    cls = CheckpointTimeoutError if result.timed_out else CheckpointSaveError
+    return cls(error if error.startswith(prefix) else f"{prefix}: {error}")
 
 
 def _log_stats(s: SaveStats, final: str) -> None:
