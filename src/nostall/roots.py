@@ -859,9 +859,13 @@ class ObjectRoot(Root):
 
     def open_staging(self, dest: Destination, rank: int) -> str:
         parent = os.path.join(self.local_staging, f"rank{rank}")
-        shutil.rmtree(parent, ignore_errors=True)  # this rank's private scratch: only its own saves go there
+        os.makedirs(parent, exist_ok=True)
+        for n in os.listdir(parent):  # what crashed saves of this rank left (nothing else is touched)
+            m = _OURS_RE.match(n)
+            if m and m.group(1) == "save" and stat.S_ISDIR(_lkind(os.path.join(parent, n)) or 0):
+                shutil.rmtree(os.path.join(parent, n), ignore_errors=True)
         path = self._local(dest, rank)
-        os.makedirs(path)
+        os.mkdir(path)
         return path
 
     def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
