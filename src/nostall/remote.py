@@ -177,7 +177,11 @@ class RemoteFiles:
 
 
 def read_small(url: str, limit: int, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
-    """A whole small object (a manifest): at most ``limit`` bytes, checked before reading."""
+    """A whole small object (a manifest): at most ``limit`` bytes, checked before reading.
+
+    The read itself asks for at most ``limit + 1`` bytes, so an object replaced
+    by a bigger one after the size check cannot make it read more.
+    """
     fs, key = filesystem(url, storage_options)
     try:
         size = retry(f"stat {url}", lambda: fs.size(key))
@@ -185,4 +189,14 @@ def read_small(url: str, limit: int, storage_options: Optional[Dict[str, Any]] =
         raise CheckpointNotFoundError(f"{url} does not exist") from None
     if size is None or size > limit:
         raise CheckpointCorruptError(f"{url}: {size} bytes, more than the {limit} accepted")
-    return retry(f"read {url}", lambda: fs.cat_file(key))
+    if size == 0:
+        return b""  # (a ranged read of an empty object is an error on S3)
+    # at most limit + 1 bytes, whatever the object has become since the stat (one more byte shows growth)
+    try:
+        data = retry(f"read {url}", lambda: fs.cat_file(key, start=0, end=limit + 1))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{url} does not exist (it was removed while being read)") from None
+    if len(data) > limit:
+        raise CheckpointCorruptError(f"{url}: more than the {limit} bytes accepted (it grew after it was "
+                                     "measured); if it is being rewritten, retry")
+    return bytes(data)

@@ -8,6 +8,7 @@ fsynced after entries change, and pointers are replaced atomically.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -77,30 +78,94 @@ def read_exact(fd: int, offset: int, length: int, path: str, into: Optional[memo
     return buf[:length]
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _not_regular(path: str, mode: int) -> OSError:
+    return OSError(errno.EINVAL, f"is {_kind(mode)}, not a regular file; checkpoint files must be regular files "
+                                 "(remove it, or restore the file it replaced)", path)
+
+
 def open_regular(path: str) -> int:
-    """Open a file of a checkpoint for reading; a symlink is refused (ELOOP), nothing else followed."""
+    """Open a file of a checkpoint for reading: a regular file only, never blocking, nothing followed.
+
+    A symlink is refused (ELOOP); a FIFO, device, socket or directory is
+    refused without blocking (the open is non-blocking and the type checked
+    on the open descriptor), so a FIFO in place of a file can never hang a
+    reader. Raises ``OSError`` (``FileNotFoundError`` when missing).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        mode = os.lstat(path).st_mode  # refuse devices before opening them (an open may have side effects)
+    except ValueError:  # a NUL byte in the name
+        raise OSError(errno.EINVAL, "invalid file name (it contains a NUL byte)", path) from None
+    if stat.S_ISLNK(mode):
+        raise OSError(errno.ELOOP, "is a symbolic link; checkpoint files must be regular files", path)
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, "is a symbolic link; checkpoint files must be regular files", path) from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        mode = os.fstat(fd).st_mode  # the file may have been replaced since lstat
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if fl & os.O_NONBLOCK:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fl & ~os.O_NONBLOCK)
+    except BaseException:
         os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", path)
+        raise
     return fd
 
 
-def read_whole(path: str, limit: int) -> bytes:
-    """A whole regular file of at most ``limit`` bytes (checked before reading)."""
+def _too_big(path: str, size: int, limit: int) -> OSError:
+    return OSError(errno.EFBIG, f"{size} bytes, more than the {limit} accepted", path)
+
+
+def read_small_file(path: str, limit: int) -> bytes:
+    """The whole regular file ``path``, of at most ``limit`` bytes.
+
+    Opened as :func:`open_regular` does (no symlink followed, nothing but a
+    regular file, never blocking on a FIFO). The size is checked against
+    ``limit`` before anything is read, and at most ``limit + 1`` bytes are
+    ever read, so a file that grows meanwhile cannot exceed it. Raises
+    ``OSError`` (``FileNotFoundError`` when missing, ``EFBIG`` when too big).
+    """
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
         if size > limit:
-            raise OSError(errno.EFBIG, f"{size} bytes, more than the {limit} accepted", path)
-        return bytes(read_exact(fd, 0, size, path)) if size else b""
+            raise _too_big(path, size, limit)
+        chunks = []
+        total = 0
+        while True:
+            # what is left of the size seen, plus one byte to see the end (or growth)
+            want = min(limit + 1 - total, size - total + 1 if total < size else 1 << 16)
+            chunk = os.read(fd, want)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise _too_big(path, total, limit)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def read_whole(path: str, limit: int) -> bytes:
+    """A whole regular file of at most ``limit`` bytes (checked before reading); see :func:`read_small_file`."""
+    return read_small_file(path, limit)
 
 
 def remove_tree(path: str) -> None:
