@@ -75,7 +75,9 @@ def piece_name(key: str, offset: Sequence[int], shape: Sequence[int], global_sha
     return f"{key}@{','.join(str(o) for o in offset)}"
 
 
-def layout_file(entries: Sequence[FileEntry], metadata: Mapping[str, str]) -> Tuple[bytes, Dict[str, Tuple[int, int]], int]:
+def layout_file(
+    entries: Sequence[FileEntry], metadata: Mapping[str, str]
+) -> Tuple[bytes, Dict[str, Tuple[int, int]], int]:
     """Lay out a safetensors file.
 
     Entries are ordered by decreasing item size, then name, so that every
@@ -107,6 +109,44 @@ MAX_HEADER_BYTES = 100 << 20
 """Largest safetensors header accepted (the safetensors library's own limit)."""
 MAX_MANIFEST_BYTES = 1 << 30
 """Largest manifest read; anything bigger is refused before it is read."""
+MAX_MANIFEST_MEMORY = 4 << 30
+"""Most memory the parse of a manifest (or safetensors header) may take, as estimated before parsing.
+
+A real manifest is estimated at 12 to 15 bytes of memory per byte (1.7 to
+1.9 KB per piece; it really takes about 1.1 KB), so this admits manifests of
+over 2 million pieces. Raise it to load a genuine manifest that is bigger."""
+JSON_MEMORY_FLOOR = 512 << 20
+"""Estimated parse memory always accepted (below :data:`MAX_MANIFEST_MEMORY`), whatever the density."""
+JSON_MEMORY_PER_BYTE = 40
+"""Above the floor, the estimated parse memory may be at most this many times the text's size:
+some 2.5 times a real manifest's density; more (many tiny containers) marks a hostile or damaged file."""
+
+
+def json_memory_estimate(raw: Any) -> int:
+    """An upper estimate of the memory ``json.loads(raw)`` takes, counted without parsing.
+
+    Every ``{`` may become a dict (192 bytes with its slot), every ``[`` a
+    list (96, with room for its first items), every ``,`` a further value (48:
+    a number and its slot), every ``:`` a dict entry (64), every pair of ``"``
+    a str (48 besides its characters); plus the text itself and its decoded
+    copy. Characters inside strings are counted too (an overestimate).
+    """
+    b = raw.encode() if isinstance(raw, str) else raw
+    return (2 * len(b) + 192 * b.count(b"{") + 96 * b.count(b"[") + 48 * b.count(b",") + 64 * b.count(b":")
+            + 24 * b.count(b'"'))
+
+
+def check_json_cost(raw: Any, path: str, what: str) -> None:
+    """Refuse, before parsing, a JSON text whose parse could take too much memory (see :data:`MAX_MANIFEST_MEMORY`)."""
+    est = json_memory_estimate(raw)
+    cap = min(MAX_MANIFEST_MEMORY, max(JSON_MEMORY_FLOOR, JSON_MEMORY_PER_BYTE * len(raw)))
+    if est > cap:
+        raise CheckpointCorruptError(
+            f"{path}: refused: parsing this {what} ({len(raw)} bytes) could take about {est >> 20} MiB of memory, "
+            f"more than the {cap >> 20} MiB accepted (too many JSON values or containers for its size; a real "
+            f"{what} is estimated at about 15 bytes per byte). It is damaged or not written by nostall: restore it "
+            "or load another checkpoint (for a genuine one this big, raise nostall.format.MAX_MANIFEST_MEMORY)"
+        )
 
 
 def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
@@ -120,8 +160,10 @@ def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
     (n,) = struct.unpack("<Q", raw[:8])
     if n > MAX_HEADER_BYTES or len(raw) < 8 + n:
         raise CheckpointCorruptError(f"{path}: safetensors header length {n} is invalid or truncated")
+    text = raw[8 : 8 + n]
+    check_json_cost(text, path, "safetensors header")
     try:
-        header = json.loads(raw[8 : 8 + n])
+        header = json.loads(text)
     except (ValueError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
@@ -242,16 +284,22 @@ class Manifest:
     # ---------------------------------------------------------------- decode
     @classmethod
     def from_json_bytes(cls, raw: bytes, path: str) -> "Manifest":
+        check_json_cost(raw, path, "manifest")
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
-            raise CheckpointCorruptError(f"{path}: manifest is not valid JSON ({e})") from None
+            raise CheckpointCorruptError(
+                f"{path}: manifest is not valid JSON ({e}); the checkpoint is damaged: restore it or load another"
+            ) from None
         try:
             return cls._from_doc(doc, path)
         except CheckpointCorruptError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as e:
-            raise CheckpointCorruptError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+            what = f"missing field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise CheckpointCorruptError(
+                f"{path}: malformed manifest ({what}); the checkpoint is damaged: restore it or load another"
+            ) from None
 
     @classmethod
     def _from_doc(cls, doc: Any, path: str) -> "Manifest":
@@ -268,27 +316,32 @@ class Manifest:
         block_size = int(cs["block_size"])
         if block_size <= 0 or block_size % 8:
             raise CheckpointCorruptError(f"{path}: invalid checksum block size {block_size}")
-        files = {
-            str(n): FileRecord(str(n), int(f["rank"]), int(f["size"])) for n, f in dict(doc["files"]).items()
-        }
-        for n in files:
-            if "/" in n or n.startswith(".") or n == MANIFEST_NAME:
-                raise CheckpointCorruptError(f"{path}: invalid data file name {n!r}")
-        world_size = int(doc["world_size"])
+        files = {}
+        for n, f in _obj(doc["files"], "files").items():
+            if not n or "/" in n or "\x00" in n or n.startswith(".") or n == MANIFEST_NAME:
+                raise CheckpointCorruptError(
+                    f"{path}: invalid data file name {n!r}; the manifest is damaged: restore it or load another "
+                    "checkpoint"
+                )
+            f = _obj(f, f"files[{n!r}]")
+            files[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
+        world_size = _int(doc["world_size"], "world_size")
         step = doc["step"]
+        per_rank = []
+        for i, r in enumerate(_list(doc["per_rank"], "per_rank")):
+            r = _obj(r, f"per_rank[{i}]")
+            per_rank.append(RankRecord(
+                {k: _tensor_rec(k, t) for k, t in _obj(r["tensors"], f"per_rank[{i}].tensors").items()},
+                _obj(r["objects"], f"per_rank[{i}].objects"),
+            ))
         m = cls(
-            step=None if step is None else int(step),
+            step=None if step is None else _int(step, "step"),
             world_size=world_size,
             block_size=block_size,
             files=files,
-            tensors={str(k): _tensor_rec(k, t) for k, t in dict(doc["tensors"]).items()},
-            objects=dict(doc["objects"]),
-            per_rank=tuple(
-                RankRecord(
-                    {str(k): _tensor_rec(k, t) for k, t in dict(r["tensors"]).items()}, dict(r["objects"])
-                )
-                for r in list(doc["per_rank"])
-            ),
+            tensors={k: _tensor_rec(k, t) for k, t in _obj(doc["tensors"], "tensors").items()},
+            objects=_obj(doc["objects"], "objects"),
+            per_rank=tuple(per_rank),
             version=version,
         )
         m._check(path)
@@ -296,10 +349,14 @@ class Manifest:
 
     def _check(self, path: str) -> None:
         if len(self.per_rank) != self.world_size:
-            raise CheckpointCorruptError(f"{path}: per_rank has {len(self.per_rank)} entries, world_size {self.world_size}")
+            raise CheckpointCorruptError(
+                f"{path}: per_rank has {len(self.per_rank)} entries, world_size {self.world_size}"
+            )
         recs = list(self.tensors.values()) + [t for r in self.per_rank for t in r.tensors.values()]
         for t in recs:
             isz = itemsize(t.dtype)
+            if any(g < 0 for g in t.shape):
+                raise CheckpointCorruptError(f"{path}: key {t.key!r}: negative dimension in shape {list(t.shape)}")
             for p in t.pieces:
                 f = self.files.get(p.file)
                 if f is None:
@@ -340,23 +397,63 @@ def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
     }
 
 
-def _tensor_rec(key: Any, t: Mapping[str, Any]) -> TensorRecord:
+def _obj(x: Any, what: str) -> Dict[str, Any]:
+    if not isinstance(x, dict):
+        raise TypeError(f"{what!r} must be a JSON object, not {_json_type(x)}")
+    return x
+
+
+def _list(x: Any, what: str) -> List[Any]:
+    if not isinstance(x, list):
+        raise TypeError(f"{what!r} must be a JSON array, not {_json_type(x)}")
+    return x
+
+
+def _int(x: Any, what: str) -> int:
+    if type(x) is not int:
+        raise TypeError(f"{what!r} must be an integer, not {_json_type(x)}")
+    return x
+
+
+def _ints(x: Any, what: str) -> Tuple[int, ...]:
+    return tuple(_int(v, what) for v in _list(x, what))
+
+
+def _json_type(x: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "null"}
+    return names.get(type(x), type(x).__name__)
+
+
+def _tensor_rec(key: str, t: Any) -> TensorRecord:
+    t = _obj(t, f"tensor {key}")
     pieces = []
-    for p in t["pieces"]:
-        start, end = (int(x) for x in p["byte_range"])
+    for p in _list(t["pieces"], f"{key}: pieces"):
+        p = _obj(p, f"{key}: piece")
+        byte_range = _ints(p["byte_range"], f"{key}: byte_range")
+        if len(byte_range) != 2:
+            raise ValueError(f"{key!r}: byte_range must hold 2 integers, not {len(byte_range)}")
+        file = p["file"]
+        if not isinstance(file, str):
+            raise TypeError(f"{key!r}: file must be a string, not {_json_type(file)}")
         pieces.append(
             PieceRecord(
-                offset=tuple(int(x) for x in p["offset"]),
-                shape=tuple(int(x) for x in p["shape"]),
-                file=str(p["file"]),
-                start=start,
-                end=end,
-                crc32c=tuple(int(x) for x in p["crc32c"]),
+                offset=_ints(p["offset"], f"{key}: offset"),
+                shape=_ints(p["shape"], f"{key}: shape"),
+                file=file,
+                start=byte_range[0],
+                end=byte_range[1],
+                crc32c=_ints(p["crc32c"], f"{key}: crc32c"),
             )
         )
-    code = str(t["dtype"])
+    code = t["dtype"]
+    if not isinstance(code, str):
+        raise TypeError(f"{key!r}: dtype must be a string, not {_json_type(code)}")
     itemsize(code)
-    return TensorRecord(str(key), code, tuple(int(x) for x in t["shape"]), bool(t["sharded"]), tuple(pieces))
+    sharded = t["sharded"]
+    if not isinstance(sharded, bool):
+        raise TypeError(f"{key!r}: sharded must be a boolean, not {_json_type(sharded)}")
+    return TensorRecord(key, code, _ints(t["shape"], f"{key}: shape"), sharded, tuple(pieces))
 
 
 def data_file_name(rank: int) -> str:
