@@ -2,11 +2,13 @@
 #   make venv   - create .venv (CPU torch pinned first, then the package in editable mode)
 #   make demo   - the main job: torchrun trainer on 2 CPU ranks, async checkpoints, stop, resume (DEMO_ARGS=...)
 #   make test   - run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
+#   make test-burn - `make test` with BURNERS CPU-bound processes beside it (default 2): no verdict may depend on speed
 #   make clean  - remove the venv, build artefacts and caches
 
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS   ?=
+BURNERS       ?= 2
 DEMO_ARGS     ?= --plot demo-checkpoints/demo.png
 
 VENV  := .venv
@@ -14,7 +16,7 @@ VPY   := $(VENV)/bin/python
 PIP   := $(VPY) -m pip
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test test-burn clean
 
 venv: $(STAMP)
 
@@ -32,6 +34,9 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+test-burn: venv
+	$(VPY) tests/burn.py $(BURNERS) -- $(MAKE) test
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache demo-checkpoints

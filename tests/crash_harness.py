@@ -12,6 +12,16 @@ synchronously. During that, one participant is killed with SIGKILL:
 * ``kill``: the harness kills a trainer, a writer, or the whole job after a
   random delay.
 
+No verdict depends on how fast the machine is. A kill's delay counts from
+the moment both ranks are up (their managers made), and it is a random
+fraction of how long this machine takes to run a job's saves (measured on
+an uncrashed calibration job first, then on every job that finished them).
+A job that finishes its saves before the kill waits at a gate until the
+harness has killed: a kill always hits a running job (``hit``), mid-save
+(``mid_save``) in most trials. A point trial's ``hit`` is evidence that the
+crash happened: the trainer's SIGKILL status, or its writer gone (or
+replaced) while the trainer lived.
+
 After the job is gone, the harness checks:
 
 * no process hangs: every survivor exits within the bound;
@@ -45,9 +55,23 @@ STEPS_PER_JOB = 5
 TRAINER_POINTS = ("planned", "staged")
 WRITER_POINTS = ("write.start", "write.done")
 COMMIT_POINTS = ("commit.ready", "commit.manifest", "commit.renamed", "retain.moved")
+# synchronous saves: the trainer itself writes and (rank 0) commits
+SYNC_POINTS = ("write.done",)
 # object storage: rank 0's writer uploads the manifest between commit.ready and commit.renamed
 REMOTE_WRITER_POINTS = ("write.start", "upload.done", "write.done")
 REMOTE_COMMIT_POINTS = ("commit.ready", "commit.renamed", "retain.moved")
+GATE_S = 60.0  # longest a job that finished its saves waits for the harness's kill (a bound, never reached)
+WRITER_GONE_S = 3.0  # how long after its trainer a writer may still be seen (see the writer_gone_s figures)
+
+
+def point_label(role: str, point: str, async_save: bool) -> str:
+    """What a point trial covers: ``"writer write.start"``, ``"trainer commit.ready (sync)"``..."""
+    return f"{role} {point}" + ("" if async_save else " (sync)")
+
+
+def expected_points(remote: bool, n: Optional[int] = None) -> List[str]:
+    """The label of every crash point a run of ``n`` trials covers (one point trial each, first)."""
+    return [point_label(t.split()[0], p, a) for _, t, p, a, _ in _point_plans(remote)[:n]]
 
 
 @dataclass
@@ -62,22 +86,25 @@ class Dest:
     def remote(self) -> bool:
         return "://" in self.root
 
-    def latest_step(self) -> Optional[int]:
-        from nostall import commit, commit_remote
+    def _open(self) -> Any:
+        from nostall.roots import open_root
 
-        return (commit_remote.latest_step(self.root, self.storage_options) if self.remote
-                else commit.latest_step(self.root))
+        return open_root(self.root, storage_options=self.storage_options, timeout=self.timeout)
+
+    def latest_step(self) -> Optional[int]:
+        return self._open().latest_step()
 
     def committed_steps(self) -> List[int]:
-        from nostall import commit, commit_remote
-
-        return (commit_remote.committed_steps(self.root, self.storage_options) if self.remote
-                else commit.committed_steps(self.root))
+        return self._open().steps()
 
     def step_path(self, step: int) -> str:
-        from nostall import commit, commit_remote
+        from nostall.roots import step_name
 
-        return commit_remote.join(self.root, f"step_{step}") if self.remote else commit.step_dir(self.root, step)
+        return self._open().path(step_name(step))
+
+    def beside(self, suffix: str) -> "Dest":
+        """Another root of the same kind next to this one (the calibration job's)."""
+        return Dest(self.root.rstrip("/") + suffix, self.storage_options, self.timeout)
 
 
 # --------------------------------------------------------------------------- the job (child side)
@@ -102,9 +129,29 @@ def expected_full(step: int, world: int) -> Tuple[Any, Any]:
     return w, torch.full((4096,), float(step))
 
 
+def _mark(out_dir: str, name: str, **fields: Any) -> None:
+    """A marker file for the harness (written whole, then renamed: never seen half-written)."""
+    tmp = os.path.join(out_dir, f".{name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(dict(fields, t=time.monotonic()), f)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+
+def _read_mark(out_dir: str, name: str) -> Optional[Dict[str, Any]]:
+    try:
+        with open(os.path.join(out_dir, name)) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional[str], async_save: bool,
-              out_dir: str) -> None:
+              out_dir: str, gate: bool = False) -> None:
+    """One rank of a job. Markers for the harness: ``pids<rank>.json`` once the manager is made,
+    ``saved<rank>`` once its saves are done; with ``gate`` it then waits for ``release``."""
     code = 0
+    first_writer: Optional[int] = None
+    first_proc: Any = None
     try:
         os.environ["OMP_NUM_THREADS"] = "1"
         if crash is not None:
@@ -120,9 +167,10 @@ def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional
         mgr = nostall.CheckpointManager(dest.root, keep_last=2, async_save=async_save, timeout=dest.timeout,
                                         storage_options=dest.storage_options,
                                         local_staging_dir=os.path.join(out_dir, f"local{rank}"))
-        with open(os.path.join(out_dir, f"pids{rank}.json"), "w") as f:
-            json.dump({"trainer": os.getpid(), "writer": mgr.writer_pid}, f)
         first_writer = mgr.writer_pid
+        # the writer's process handle (the manager's own) tells how it ended: -9 is a crash point's SIGKILL
+        first_proc = getattr(getattr(mgr, "_writer", None), "proc", None)
+        _mark(out_dir, f"pids{rank}.json", trainer=os.getpid(), writer=first_writer)
         start = mgr.latest_step() or 0
         if start:
             tmpl = state_for(0, rank, world)
@@ -136,12 +184,18 @@ def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional
             mgr.save(step, st)
             st["w"].data.fill_(-1.0)  # "training" changes the state right after save() returns
             time.sleep(0.03)
-        with open(os.path.join(out_dir, f"writer-restarts{rank}"), "w") as f:
-            f.write("1" if async_save and mgr.writer_pid != first_writer else "0")
+        _writer_fate(out_dir, rank, first_writer, first_proc, mgr.writer_pid)
+        _mark(out_dir, f"saved{rank}")
+        if gate:  # the harness kills this job: it must not end before that
+            until = time.monotonic() + GATE_S
+            while not os.path.exists(os.path.join(out_dir, "release")) and time.monotonic() < until:
+                time.sleep(0.005)
         mgr.close()
+        _writer_fate(out_dir, rank, first_writer, first_proc, None)  # a crash while close() drained it
         dist.destroy_process_group()
     except nostall.CheckpointError as e:  # a peer died: the expected outcome for survivors
         code = 2
+        _writer_fate(out_dir, rank, first_writer, first_proc, None)
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(str(e))
     except BaseException:
@@ -149,6 +203,21 @@ def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
     os._exit(code)
+
+
+def _writer_fate(out_dir: str, rank: int, first: Optional[int], proc: Any, now: Optional[int]) -> None:
+    """Record, from the trainer (alive), whether its first writer was replaced or died of a SIGKILL."""
+    if first is None or os.path.exists(os.path.join(out_dir, f"writer-gone{rank}")):
+        return
+    if now is not None and now != first:
+        fate = "replaced"
+    elif proc is not None and getattr(proc, "pid", None) == first:
+        fate = "killed" if proc.poll() == -signal.SIGKILL else ""
+    else:  # no handle (the manager changed): a writer gone while its trainer lives
+        fate = "" if now is None or _alive(first) else "gone"
+    if fate:
+        with open(os.path.join(out_dir, f"writer-gone{rank}"), "w") as f:
+            f.write(fate)
 
 
 # --------------------------------------------------------------------------- the harness (parent side)
@@ -167,6 +236,9 @@ class Trial:
     exit_s: float = 0.0
     after_kill_s: Optional[float] = None  # kill trials: from the kill to the last rank's exit
     hit: bool = False  # the crash happened (a crash point reached, or a kill while the victim ran)
+    mid_save: bool = False  # kill trials: the victim's rank had not finished its saves
+    label: str = ""  # point trials: what the trial covers (see point_label)
+    writer_gone_s: Optional[float] = None  # from the last trainer's exit to the last writer's
     problems: List[str] = field(default_factory=list)
 
 
@@ -176,6 +248,7 @@ class Report:
     seed: int
     seconds: float
     timeout: float = TIMEOUT_S
+    save_span_s: float = 0.0  # how long this machine took for a job's saves (the kills' time scale)
 
     @property
     def failures(self) -> List[Trial]:
@@ -193,22 +266,29 @@ class Report:
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(by.items()))
         waits = [t.after_kill_s for t in self.trials if t.after_kill_s is not None]
         slowest = f"{max(waits):.1f}s" if waits else "n/a"
+        kills = [t for t in self.trials if t.mode == "kill"]
+        gone = [t.writer_gone_s for t in self.trials if t.writer_gone_s is not None]
+        gone_s = f"{max(gone):.2f}s" if gone else "n/a"
         return (
             f"crash trials: {len(self.trials)} in {self.seconds:.0f}s (seed {self.seed}; {kinds}); "
-            f"a process was killed mid-job in {hits}; "
+            f"a process was killed mid-job in {hits}; kills mid-save: {sum(t.mid_save for t in kills)} of "
+            f"{len(kills)} (saves take {self.save_span_s:.2f}s here); "
             f"a new checkpoint committed in {advanced}; checkpoints lost: {lost}; hangs: {hangs}; "
             f"slowest exit after a kill: {slowest} (manager timeout {self.timeout:g}s); "
+            f"slowest writer exit after its trainer: {gone_s}; "
             f"trials with problems: {len(self.failures)}"
         )
 
     def as_json(self) -> str:
-        return json.dumps({"seed": self.seed, "seconds": self.seconds, "trials": [asdict(t) for t in self.trials]},
-                          indent=1)
+        return json.dumps({"seed": self.seed, "seconds": self.seconds, "save_span_s": self.save_span_s,
+                           "trials": [asdict(t) for t in self.trials]}, indent=1)
 
 
-def _plan(n: int, rng: random.Random, remote: bool) -> List[Tuple[str, str, str, bool, Optional[str]]]:
-    """(mode, target, detail, async_save, crash spec template) for n trials: every crash point once, then random."""
-    plans: List[Tuple[str, str, str, bool, Optional[str]]] = []
+Plan = Tuple[str, str, str, bool, Optional[str]]
+
+
+def _point_plans(remote: bool) -> List[Plan]:
+    plans: List[Plan] = []
     writer_points, commit_points = (REMOTE_WRITER_POINTS, REMOTE_COMMIT_POINTS) if remote else (
         WRITER_POINTS, COMMIT_POINTS)
     for rank in (0, 1):
@@ -218,13 +298,64 @@ def _plan(n: int, rng: random.Random, remote: bool) -> List[Tuple[str, str, str,
             plans.append(("point", f"writer {rank}", p, True, f"writer:{p}"))
     for p in commit_points:
         plans.append(("point", "writer 0", p, True, f"writer:{p}"))
-    for p in ("written",) + commit_points:  # synchronous saves: rank 0's trainer commits
+    for p in SYNC_POINTS + commit_points:  # synchronous saves: the trainer writes, rank 0's commits
         plans.append(("point", "trainer 0", p, False, f"trainer:{p}"))
-    plans = plans[:n]
+    return plans
+
+
+def _plan(n: int, rng: random.Random, remote: bool) -> List[Plan]:
+    """(mode, target, detail, async_save, crash spec template) for n trials: every crash point once, then random."""
+    plans = _point_plans(remote)[:n]
     targets = ["trainer 0", "trainer 1", "writer 0", "writer 1", "job"]
     while len(plans) < n:
         plans.append(("kill", rng.choice(targets), "", rng.random() < 0.85, None))
     return plans
+
+
+def _start_job(ctx: Any, dest: Dest, out_dir: str, crash: Optional[str], crash_rank: Optional[int],
+               async_save: bool, gate: bool) -> List[Any]:
+    init_file = os.path.join(out_dir, "init")
+    procs = [ctx.Process(target=_job_rank, args=(r, 2, init_file, dest, crash if r == crash_rank else None,
+                                                 async_save, out_dir, gate))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _save_span(out_dir: str) -> Optional[float]:
+    """How long the job in ``out_dir`` took from both ranks up to both ranks' saves done (None: unfinished)."""
+    marks = [_read_mark(out_dir, f"{name}{r}" + (".json" if name == "pids" else ""))
+             for name in ("pids", "saved") for r in (0, 1)]
+    if any(m is None for m in marks):
+        return None
+    return max(m["t"] for m in marks[2:]) - max(m["t"] for m in marks[:2])
+
+
+def _calibrate(ctx: Any, dest: Dest, tmp: str) -> float:
+    """Run two uncrashed jobs (on a root of their own) and return how long the second one's saves
+    took (the first one pays for warming up)."""
+    cal = dest.beside("-calibration") if dest.remote else Dest(os.path.join(tmp, "calibration-run"),
+                                                               timeout=dest.timeout)
+    if not cal.remote:
+        os.makedirs(cal.root)
+    span = None
+    for i in range(2):
+        out_dir = os.path.join(tmp, f"calibration{i}")
+        os.makedirs(out_dir)
+        procs = _start_job(ctx, cal, out_dir, None, None, True, False)
+        for p in procs:
+            p.join(3 * dest.timeout + 60)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        span = _save_span(out_dir)
+        if span is None or any(p.exitcode != 0 for p in procs):
+            errors = [open(os.path.join(out_dir, n)).read()[-1500:] for n in sorted(os.listdir(out_dir))
+                      if n.startswith("error")]
+            raise RuntimeError(f"a calibration job failed (exit codes {[p.exitcode for p in procs]}): {errors}")
+    assert span is not None
+    return span
 
 
 def _alive(pid: int) -> bool:
@@ -235,22 +366,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _writer_replaced(out_dir: str, rank: int) -> bool:
-    try:
-        with open(os.path.join(out_dir, f"writer-restarts{rank}")) as f:
-            return int(f.read() or 0) > 0
-    except FileNotFoundError:
-        return False
-
-
-def _read_pids(out_dir: str, world: int) -> Dict[int, Dict[str, Optional[int]]]:
+def _read_pids(out_dir: str, world: int) -> Dict[int, Dict[str, Any]]:
     pids = {}
     for r in range(world):
-        try:
-            with open(os.path.join(out_dir, f"pids{r}.json")) as f:
-                pids[r] = json.load(f)
-        except (FileNotFoundError, ValueError):
-            pass
+        m = _read_mark(out_dir, f"pids{r}.json")
+        if m is not None:
+            pids[r] = m
     return pids
 
 
@@ -297,6 +418,7 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
         dest = dest or Dest(os.path.join(tmp, "run"))
         if not dest.remote:
             os.makedirs(dest.root, exist_ok=True)
+        spans = [_calibrate(ctx, dest, tmp)]
         for i, (mode, target, detail, async_save, crash) in enumerate(_plan(n, rng, dest.remote)):
             trial = Trial(i, mode, target, detail, async_save, dest.latest_step())
             out_dir = os.path.join(tmp, f"trial{i}")
@@ -305,46 +427,53 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
             crash_rank = None
             if crash is not None:
                 step = start + rng.randint(1, STEPS_PER_JOB)
-                if detail == "retain.moved" and start == 0:
-                    step = max(step, 3)  # retention deletes something only from the third commit on
+                if detail == "retain.moved":
+                    # retention (keep_last=2) deletes step start+1 while saving start+3, and start+3 while
+                    # saving start+5: this point is reached whether it names the step saved or the one deleted
+                    step = start + 3
                 crash = f"{crash}:{step}"
                 trial.detail = f"{detail} at step {step}"
                 crash_rank = int(target.split()[1])
-            init_file = os.path.join(out_dir, "init")
-            procs = [
-                ctx.Process(target=_job_rank, args=(r, 2, init_file, dest, crash if r == crash_rank else None,
-                                                    async_save, out_dir))
-                for r in range(2)
-            ]
-            for p in procs:
-                p.start()
+                trial.label = point_label(target.split()[0], detail, async_save)
+            # every survivor must return or raise within the bound: the library's timeout plus start-up
+            bound = 3 * dest.timeout + 10
+            span = sorted(spans)[len(spans) // 2]
+            procs = _start_job(ctx, dest, out_dir, crash, crash_rank, async_save, gate=mode == "kill")
             t0 = time.monotonic()
             if mode == "kill":
-                delay = rng.uniform(0.02, 0.6)  # a job's saves take about 0.5-0.8 s here
-                trial.detail = f"after {delay:.2f}s"
-                time.sleep(delay)
+                # from both ranks up (a kill during the process group's set-up is gloo's business, not
+                # ours), a random part of the time this machine takes for the saves; a job done with its
+                # saves waits at the gate, so the kill always hits a running job
+                frac = rng.uniform(0.02, 1.0)
+                while (len(_read_pids(out_dir, 2)) < 2 and all(p.is_alive() for p in procs)
+                       and time.monotonic() - t0 < bound):
+                    time.sleep(0.005)
+                time.sleep(frac * span)
+                trial.detail = f"after {frac * span:.2f}s ({frac:.2f} of the saves' {span:.2f}s)"
                 pids = _read_pids(out_dir, 2)
                 if target == "job":
                     victims = [p.pid for p in procs] + [v["writer"] for v in pids.values() if v.get("writer")]
+                    trial.mid_save = any(_read_mark(out_dir, f"saved{r}") is None for r in (0, 1))
                 else:
                     role, r = target.split()
                     victim = (pids.get(int(r)) or {}).get(role)
-                    victims = [victim] if victim else []
-                    if not victims:
-                        trial.detail += " (not started yet: killed its trainer)"
-                        victims = [procs[int(r)].pid]
+                    victims = [victim] if victim else [procs[int(r)].pid]
+                    if not victim:
+                        trial.detail += f" (no {role}: killed the trainer)"
+                    trial.mid_save = _read_mark(out_dir, f"saved{r}") is None
                 t_kill = time.monotonic()
                 for v in victims:
                     if _alive(v):
                         os.kill(v, signal.SIGKILL)
                         trial.hit = True
+                with open(os.path.join(out_dir, "release"), "w"):
+                    pass
                 if not trial.hit:
-                    trial.detail += " (missed: the job had finished)"
-            # every survivor must return or raise within the bound: the library's timeout plus start-up
-            bound = 3 * dest.timeout + 10
+                    trial.detail += " (missed: the job had ended before it was up)"
             for p in procs:
                 p.join(max(0.0, bound - (time.monotonic() - t0)))
-            trial.exit_s = time.monotonic() - t0
+            t_trainers = time.monotonic()
+            trial.exit_s = t_trainers - t0
             if mode == "kill" and trial.hit:
                 trial.after_kill_s = time.monotonic() - t_kill
             for p in procs:
@@ -354,21 +483,27 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
                     p.join(10)
             trial.exit_codes = [p.exitcode for p in procs]
             if mode == "point":
-                # a trainer's crash shows as -9; a writer's as the error it caused, or (after the commit
-                # point) as the replacement writer the trainer had to start: its pid differs
+                # a trainer's crash shows as -9; a writer's as its trainer seeing it gone (or replaced)
+                # while the trainer lived, or as the error it caused
                 trial.hit = crash_rank is not None and (
-                    trial.exit_codes[crash_rank] == -9 or 2 in trial.exit_codes
-                    or _writer_replaced(out_dir, crash_rank))
+                    trial.exit_codes[crash_rank] == -9 if target.startswith("trainer")
+                    else os.path.exists(os.path.join(out_dir, f"writer-gone{crash_rank}"))
+                    or 2 in trial.exit_codes)
+            else:
+                s = _save_span(out_dir)
+                if s is not None:
+                    spans.append(s)
             for r, code in enumerate(trial.exit_codes):
                 if code == 1:
                     with open(os.path.join(out_dir, f"error{r}.txt")) as f:
                         trial.problems.append(f"rank {r} failed unexpectedly: {f.read()[-1500:]}")
-            # a writer's watchdog looks every 0.1 s; on object storage a writer has been seen to take
-            # longer than 0.3 s to go (see the closing note of 2026-12-01): allow 3 s, then it is a problem
-            until = time.monotonic() + 3.0
+            # a writer's watchdog looks every 0.1 s: no writer outlives its trainer by more than WRITER_GONE_S
+            until = t_trainers + WRITER_GONE_S
             while time.monotonic() < until and any(
                     v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
-                time.sleep(0.05)
+                time.sleep(0.01)
+            if not any(v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
+                trial.writer_gone_s = time.monotonic() - t_trainers
             for r, v in _read_pids(out_dir, 2).items():
                 if v.get("writer") and _alive(v["writer"]):
                     trial.problems.append(f"writer {v['writer']} of rank {r} outlived its trainer")
@@ -380,4 +515,4 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
             left = [n for n in os.listdir(os.path.join(dest.root, ".tmp")) if n != ".lock"]
             if left:
                 trials[-1].problems.append(f"leftovers not cleaned by a new manager: {left}")
-    return Report(trials, seed, time.monotonic() - t_all, dest.timeout)
+    return Report(trials, seed, time.monotonic() - t_all, dest.timeout, sorted(spans)[len(spans) // 2])

@@ -1,7 +1,10 @@
 """Crash consistency: SIGKILL at every phase of a save, 50+ trials, nothing committed is ever lost.
 
 ``NOSTALL_CRASH_TRIALS=500 make test PYTEST_ARGS="-k crash"`` is the soak mode
-(figures in docs/reliability.md); CI runs the default count.
+(figures in docs/reliability.md); CI runs the default count. The verdicts do
+not depend on the machine's speed (``make test-burn`` runs them beside
+CPU burners): kills are timed on this machine's own save time and always hit
+a running job (see tests/crash_harness.py).
 """
 
 from __future__ import annotations
@@ -10,12 +13,26 @@ import os
 
 import pytest
 
-from tests.crash_harness import (
-    COMMIT_POINTS, REMOTE_COMMIT_POINTS, REMOTE_WRITER_POINTS, TRAINER_POINTS, WRITER_POINTS, Dest, run_trials,
-)
+from tests.crash_harness import Dest, Report, expected_points, run_trials
 
 
 TRIALS = int(os.environ.get("NOSTALL_CRASH_TRIALS", "52"))
+
+
+def _check(report: Report, tmp_path, remote: bool) -> None:
+    (tmp_path / "crash-report.json").write_text(report.as_json())
+    where = f"full report: {tmp_path / 'crash-report.json'}"
+    bad = "\n".join(f"trial {t.index} ({t.mode} {t.target}, {t.detail}): {t.problems}" for t in report.failures)
+    assert not report.failures, f"{report.summary()}\n{bad}\n{where}"
+    # every crash point was reached (one trial each), and every kill hit a running job
+    covered = {t.label for t in report.trials if t.mode == "point" and t.hit}
+    not_reached = set(expected_points(remote, len(report.trials))) - covered
+    assert not not_reached, f"{report.summary()}\nnot reached: {sorted(not_reached)}\n{where}"
+    missed = [f"trial {t.index} ({t.mode} {t.target}, {t.detail})" for t in report.trials if not t.hit]
+    assert not missed, f"{report.summary()}\nno crash in: {missed}\n{where}"
+    # kills are timed on this machine's save time: most land while the victim's rank is saving
+    kills = [t for t in report.trials if t.mode == "kill"]
+    assert sum(t.mid_save for t in kills) >= len(kills) // 2, f"{report.summary()}\n{where}"
 
 
 @pytest.mark.timeout(max(300, 4 * TRIALS))
@@ -25,14 +42,8 @@ def test_crash_consistency_trials(capsys, tmp_path):
     report = run_trials(n, seed)
     with capsys.disabled():
         print("\n" + report.summary())
-    (tmp_path / "crash-report.json").write_text(report.as_json())
-    bad = "\n".join(f"trial {t.index} ({t.mode} {t.target}, {t.detail}): {t.problems}" for t in report.failures)
-    assert not report.failures, f"{report.summary()}\n{bad}\nfull report: {tmp_path / 'crash-report.json'}"
+    _check(report, tmp_path, remote=False)
     assert len(report.trials) == n and n >= 50
-    covered = {t.detail.split(" at ")[0] for t in report.trials if t.mode == "point" and t.hit}
-    assert covered >= set(TRAINER_POINTS + WRITER_POINTS + COMMIT_POINTS + ("written",))
-    # most trials really crashed something mid-job (a kill can land after a job already finished)
-    assert sum(t.hit for t in report.trials) >= 0.7 * n
     # the run made progress across the crashes: training resumed and committed new checkpoints
     assert report.trials[-1].latest_after and report.trials[-1].latest_after > 3 * len(report.trials) // 4
 
@@ -49,9 +60,5 @@ def test_crash_consistency_trials_on_object_storage(capsys, tmp_path, s3):
     report = run_trials(n, int(os.environ.get("NOSTALL_CRASH_SEED", "20261201")), dest)
     with capsys.disabled():
         print("\n" + report.summary())
-    (tmp_path / "crash-report.json").write_text(report.as_json())
-    bad = "\n".join(f"trial {t.index} ({t.mode} {t.target}, {t.detail}): {t.problems}" for t in report.failures)
-    assert not report.failures, f"{report.summary()}\n{bad}\nfull report: {tmp_path / 'crash-report.json'}"
-    covered = {t.detail.split(" at ")[0] for t in report.trials if t.mode == "point" and t.hit}
-    assert covered >= set(TRAINER_POINTS + REMOTE_WRITER_POINTS + REMOTE_COMMIT_POINTS + ("written",))
+    _check(report, tmp_path, remote=True)
     assert report.trials[-1].latest_after and report.trials[-1].latest_after > len(report.trials) // 2
