@@ -64,6 +64,8 @@ def cover_problem(global_shape: Sequence[int], boxes: Sequence[Tuple[Sequence[in
             f"the pieces cover {covered} of {total} elements of the global shape {list(g)}; "
             "some part of the tensor is held by no rank"
         )
+    if total == 0:
+        return None  # an empty tensor: nothing to hold (every piece inside it is empty)
     if covered == total:
         budget = WORK_FLOOR + WORK_PER_BOX * len(nonempty)
         try:
