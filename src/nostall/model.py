@@ -125,8 +125,20 @@ def _contains_special(v: Any) -> bool:
     return False
 
 
+MAX_INT_DIGITS = 4300
+"""Longest int (in decimal digits) stored as JSON: Python's default limit on int <-> str conversion
+(``sys.int_info.default_max_str_digits``), so that every Python can read the manifest back."""
+_INT_LIMIT = 10**MAX_INT_DIGITS
+
+
 def check_json(v: Any, key: str) -> None:
     """Raise InvalidStateError unless ``v`` is a JSON value (tuples allowed)."""
+    if isinstance(v, int) and not isinstance(v, bool) and (v >= _INT_LIMIT or v <= -_INT_LIMIT):
+        raise InvalidStateError(
+            f"key {key!r}: an int of more than {MAX_INT_DIGITS} digits ({v.bit_length()} bits) cannot be "
+            "stored as JSON (Python refuses to convert it to text and back); store it as a str (str(v), "
+            "after sys.set_int_max_str_digits) or split it"
+        )
     if isinstance(v, _JSON_SCALARS):
         return
     if isinstance(v, Mapping):
@@ -277,10 +289,25 @@ def _walk(v: Any, path: Tuple, visit: Visit, root: bool = False) -> Any:
 def _rebuild_mapping(orig: Mapping, items: Dict) -> Any:
     if type(orig) is dict:
         return items
+    cls: Any = type(orig)
     try:
-        return type(orig)(items)
+        return cls(items)
     except Exception:
         return items
+
+
+def check_tensor_leaf(t: torch.Tensor, key: str) -> None:
+    """Raise InvalidStateError unless ``t`` holds dense data that can be saved (strided layout, not meta)."""
+    if t.layout != torch.strided:
+        raise InvalidStateError(
+            f"key {key!r}: a tensor with layout {t.layout} cannot be saved (nostall stores dense tensors); "
+            "convert it with .to_dense() first, or store its components (indices, values) as separate tensors"
+        )
+    if t.is_meta:
+        raise InvalidStateError(
+            f"key {key!r}: the tensor is on the meta device and holds no data; materialize it first "
+            "(e.g. module.to_empty(device=...) and initialize it) or leave it out of the state"
+        )
 
 
 def flatten(state: Any) -> FlatState:
@@ -293,8 +320,10 @@ def flatten(state: Any) -> FlatState:
             st = as_sharded(v, key)
             if st is None:
                 t: torch.Tensor = v
+                check_tensor_leaf(t, key)
                 flat.tensors[key] = LocalTensor(key, t, tuple(t.shape), (0,) * t.dim(), False, True)
             else:
+                check_tensor_leaf(st.data, key)
                 flat.tensors[key] = LocalTensor(
                     key, st.data, tuple(st.global_shape), tuple(st.global_offset), True, st.is_main_replica
                 )
@@ -316,6 +345,7 @@ def _flatten_per_rank(value: Any, key: str, flat: FlatState) -> None:
             if isinstance(v, ShardedTensor) or is_dtensor(v):
                 raise InvalidStateError(f"key {full!r}: a PerRank value may hold plain tensors only, "
                                         f"not {type(v).__name__}")
+            check_tensor_leaf(v, full)
             flat._claim(full)
             flat.per_rank_tensors[full] = v
         elif kind == "object":
