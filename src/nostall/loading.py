@@ -8,6 +8,8 @@ A piece needed whole lands straight in the destination tensor (no extra copy).
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import struct
@@ -201,7 +203,53 @@ def _plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[_Re
         out.append(_Read(rec, p, lo, box, view))
 
 
+def _writable(addr: int) -> bool:
+    """Whether the byte at ``addr`` may be written, found without risking a crash.
+
+    The kernel writes the byte's own value back through a pipe: writing
+    read-only memory fails with EFAULT there, where a copy would kill the
+    process.
+    """
+    r, w = os.pipe()
+    try:
+        os.write(w, ctypes.string_at(addr, 1))
+        try:
+            os.readv(r, [(ctypes.c_char * 1).from_address(addr)])
+        except OSError as e:
+            if e.errno == errno.EFAULT:
+                return False
+            raise
+        return True
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _check_dest(key: str, dest: torch.Tensor) -> None:
+    """Refuse a template tensor that cannot receive data: on the meta device, not dense, or read-only."""
+    if dest.is_meta:
+        raise CheckpointLoadError(
+            f"key {key!r}: the template's tensor is on the meta device and has no memory to load into; "
+            "materialize it first (e.g. module.to_empty(device='cpu') or torch.empty_like(t, device=...)), "
+            "then load"
+        )
+    if dest.layout != torch.strided:
+        raise CheckpointLoadError(
+            f"key {key!r}: the template's tensor has layout {dest.layout}; nostall loads into dense tensors: "
+            "give the template a dense tensor (e.g. torch.empty(shape, dtype=...))"
+        )
+    if dest.device.type == "cpu" and dest.numel() > 0:
+        isz = dest.element_size()
+        last = dest.data_ptr() + sum((n - 1) * st for n, st in zip(dest.shape, dest.stride())) * isz + isz - 1
+        if not (_writable(dest.data_ptr()) and _writable(last)):
+            raise CheckpointLoadError(
+                f"key {key!r}: the template's tensor is in read-only memory (e.g. torch.frombuffer over a "
+                "read-only mmap); load into writable tensors (e.g. its .clone()) instead"
+            )
+
+
 def _check_tensor(key: str, rec: Optional[TensorRecord], dest: torch.Tensor, gshape: Shape, where: str) -> TensorRecord:
+    _check_dest(key, dest)
     if rec is None:
         raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {where}")
     dtype = torch_dtype(rec.dtype)
@@ -292,7 +340,20 @@ def load_state(
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
         with torch.no_grad():
             for r in reads:
-                _execute(r, files, m, verify)
+                try:
+                    _execute(r, files, m, verify)
+                except OSError as e:
+                    hint = (" (the template's memory is not writable: load into writable tensors)"
+                            if e.errno == errno.EFAULT else "")
+                    raise CheckpointLoadError(
+                        f"key {r.rec.key!r}: reading {files.path(r.piece.file)} into the template failed: "
+                        f"{e.strerror or e}{hint}; check the storage and retry"
+                    ) from e
+                except RuntimeError as e:  # torch refusing the copy (e.g. an expanded template tensor)
+                    raise CheckpointLoadError(
+                        f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
+                        "a plain tensor of its own memory (e.g. .clone())"
+                    ) from e
     finally:
         files.close()
     return restored
@@ -345,8 +406,14 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
                         ranges[(data_start + offs[0], data_start + offs[1])] = v
             for rec, p in sorted(pieces.get(name, []), key=lambda x: x[1].start):
                 h = ranges.get((p.start, p.end))
-                if h is None or h.get("dtype") != rec.dtype or tuple(h.get("shape", ())) != tuple(p.shape):
-                    problems.append(f"{fpath}: safetensors header does not match the manifest for key {rec.key!r}")
+                shape = h.get("shape") if h is not None else None
+                if (h is None or h.get("dtype") != rec.dtype or not isinstance(shape, list)
+                        or tuple(shape) != tuple(p.shape)):
+                    problems.append(
+                        f"{fpath}: safetensors header does not match the manifest for key {rec.key!r} (it says "
+                        f"{_header_entry(h)}, the manifest dtype {rec.dtype} shape {list(p.shape)}); the data "
+                        "file is damaged or was replaced: restore it from a copy"
+                    )
                 bad = _bad_blocks(files, p, rec, m.block_size, problems)
                 if bad:
                     lo = p.start + bad[0] * m.block_size
@@ -361,10 +428,16 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     return VerifyReport(path, len(m.files), total, problems)
 
 
+def verify_window(bs: int) -> int:
+    """Bytes read at a time by :func:`check_checkpoint`: about ``_READ_CHUNK``, a whole number of blocks."""
+    return max(1, _READ_CHUNK // bs) * bs
+
+
 def _bad_blocks(files: Any, p: PieceRecord, rec: TensorRecord, bs: int, problems: List[str]) -> List[int]:
     bad: List[int] = []
-    for lo in range(0, p.nbytes, _READ_CHUNK):
-        n = min(_READ_CHUNK, p.nbytes - lo)
+    window = verify_window(bs)  # a multiple of the block size: every window starts on a block boundary
+    for lo in range(0, p.nbytes, window):
+        n = min(window, p.nbytes - lo)
         try:
             buf = files.read(p.file, p.start + lo, n)
         except (CheckpointError, OSError) as e:
@@ -375,6 +448,12 @@ def _bad_blocks(files: Any, p: PieceRecord, rec: TensorRecord, bs: int, problems
             if crc(buf[i : i + bs]) != p.crc32c[b]:
                 bad.append(b)
     return bad
+
+
+def _header_entry(h: Any) -> str:
+    if h is None:
+        return "no tensor at that byte range"
+    return f"dtype {str(h.get('dtype'))[:40]} shape {str(h.get('shape'))[:80]}"
 
 
 def _header(head: memoryview, files: Any, name: str, size: int) -> Tuple[Dict[str, Any], int]:
