@@ -1,7 +1,7 @@
 # nostall developer entry points.
 #   make venv   - create .venv (CPU torch pinned first, then the package in editable mode)
 #   make demo   - the main job: torchrun trainer on 2 CPU ranks, async checkpoints, stop, resume (DEMO_ARGS=...)
-#   make test   - run the test suite (PYTEST_ARGS="-k foo -x" to pass options)
+#   make test   - ruff and mypy on src/, then the test suite (PYTEST_ARGS="-k foo -x" to pass options)
 #   make test-burn - `make test` with BURNERS CPU-bound processes beside it (default 2): no verdict may depend on speed
 #   make clean  - remove the venv, build artefacts and caches
 
@@ -33,6 +33,8 @@ demo: venv
 	$(VPY) -m nostall.reference.demo $(DEMO_ARGS)
 
 test: venv
+	$(VPY) -m ruff check src
+	$(VPY) -m mypy
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 test-burn: venv
