@@ -67,7 +67,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 from . import remote, storage
 from ._faults import Faults, crash_point
 from .errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
-from .format import MANIFEST_NAME, Manifest
+from .format import MANIFEST_NAME, Manifest, check_json_cost
 from .jobs import Destination, Done, Outcome
 
 log = logging.getLogger("nostall")
@@ -111,6 +111,15 @@ def _parse_latest(raw: bytes, where: str) -> Optional[int]:
     if step is None:
         log.warning("%s does not name a step (%r); using the newest committed step", where, raw[:32])
     return step
+
+
+def _record(raw: bytes, where: str) -> Any:
+    """A record's JSON, its parse's memory bounded first (a record is small; a hostile one is refused)."""
+    check_json_cost(raw, where, "record")
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise CheckpointCorruptError(f"{where}: not a JSON record ({e})") from None
 
 
 def _is_nostall_manifest(raw: bytes, where: str) -> bool:
@@ -659,8 +668,8 @@ class PosixRoot(Root):
         out = {}
         for r in ranks:
             if _done_name(r) in present:
-                raw = storage.read_small_file(os.path.join(d, _done_name(r)), RECORD_MAX_BYTES)
-                out[r] = Done.from_doc(json.loads(raw))
+                path = os.path.join(d, _done_name(r))
+                out[r] = Done.from_doc(_record(storage.read_small_file(path, RECORD_MAX_BYTES), path))
             elif f"rank{r}.failed" in present:
                 out[r] = Done(False, error=f"rank {r}: its part of step {dest.step} failed and no record of why "
                                            "could be written (is the disk full?)")
@@ -689,9 +698,10 @@ class PosixRoot(Root):
         if "outcome.failed" not in present:
             return None
         try:
-            raw = storage.read_small_file(os.path.join(d, "outcome.json"), RECORD_MAX_BYTES)
-            return Outcome(False, str(json.loads(raw).get("error") or "unknown error"))
-        except (OSError, ValueError, AttributeError):
+            path = os.path.join(d, "outcome.json")
+            return Outcome(False, str(_record(storage.read_small_file(path, RECORD_MAX_BYTES), path).get("error")
+                                      or "unknown error"))
+        except (OSError, ValueError, AttributeError, CheckpointError):
             return Outcome(False, f"save of step {dest.step} failed (rank 0 could not record why)")
 
     def drop_records(self, save_id: str) -> None:
@@ -1015,7 +1025,7 @@ class ObjectRoot(Root):
             if _done_name(r) in present:
                 raw = self._cat(self._records(dest, _done_name(r)))
                 if raw is not None:
-                    out[r] = Done.from_doc(json.loads(raw))
+                    out[r] = Done.from_doc(_record(raw, _join(self.url, *self._records(dest, _done_name(r)))))
         return out
 
     def write_outcome(self, dest: Destination, outcome: Outcome, deadline: float) -> None:
@@ -1030,7 +1040,7 @@ class ObjectRoot(Root):
             return None
         if raw is None:
             return None
-        doc = json.loads(raw)
+        doc = _record(raw, _join(self.url, *self._records(dest, "outcome.json")))
         return Outcome(bool(doc.get("ok")), str(doc.get("error") or ""))
 
     def drop_records(self, save_id: str) -> None:
