@@ -49,7 +49,7 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
             "bytes": nbytes,
         })
     return {
-        "path": path if remote.is_remote(path) else os.path.abspath(path),
+        "path": path,
         "step": m.step,
         "format_version": m.version,
         "world_size": m.world_size,
@@ -103,7 +103,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     so = _options(args)
     path = _resolve(args.path, so)
     report = check_checkpoint(path, so)
-    where = path if remote.is_remote(path) else os.path.abspath(path)
+    where = path
     if getattr(args, "json", False):
         json.dump({"path": where, "ok": report.ok, "files": report.files, "bytes": report.bytes,
                    "problems": report.problems}, sys.stdout, indent=1)
