@@ -13,7 +13,6 @@ status is the command's (128 + signal number if a signal ended it).
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import sys
