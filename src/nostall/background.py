@@ -19,7 +19,7 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from . import commit
 from ._faults import ROLE_ENV
@@ -33,7 +33,19 @@ log = logging.getLogger("nostall")
 _POLL_S = 0.1
 # A fresh interpreter running nostall.writer.main (imported, so that the
 # messages it pickles name nostall.writer's classes, not __main__'s).
-_WRITER_MAIN = "import sys; from nostall.writer import main; sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))"
+# The watchdog starts before anything is imported: a trainer that dies while its writer is still
+# starting (the imports take 0.2 s, more on a busy machine) must not leave the writer running meanwhile.
+_WRITER_MAIN = (
+    "import os, signal, sys, threading, time\n"
+    "def _watch(trainer=int(sys.argv[2])):\n"
+    "    while os.getppid() == trainer:\n"
+    "        time.sleep(0.1)\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "if int(sys.argv[2]):\n"
+    "    threading.Thread(target=_watch, name='nostall-trainer-watch-early', daemon=True).start()\n"
+    "from nostall.writer import main\n"
+    "sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))\n"
+)
 
 
 class WriterDied(CheckpointError):
@@ -43,9 +55,12 @@ class WriterDied(CheckpointError):
 class BackgroundWriter:
     """One writer process and the staging area it shares with this rank."""
 
-    def __init__(self, rank: int, timeout: float) -> None:
+    def __init__(self, rank: int, timeout: float, root: Any = None) -> None:
+        """``root``: where its jobs write; every new writer process gets ready for it (:meth:`Root.warm`)
+        as soon as it starts, off any save's deadline."""
         self.rank = rank
         self.timeout = timeout
+        self.root = root
         self.area = StagingArea()
         self._attached_generation = 0
         self.proc: Optional[subprocess.Popen] = None
@@ -80,6 +95,8 @@ class BackgroundWriter:
         self._conn = Connection(os.dup(parent.fileno()))
         self._attached_generation = 0
         log.debug("rank %d: writer process %d started", self.rank, self.proc.pid)
+        if self.root is not None:
+            self._conn.send(Msg(Op.WARM, root=self.root))
 
     @property
     def pid(self) -> Optional[int]:
@@ -115,6 +132,7 @@ class BackgroundWriter:
     def _recv(self, deadline: float, what: str, skip: Tuple[Op, ...] = ()) -> Msg:
         """Next message from the writer (ignoring kinds in ``skip``), bounded by ``deadline``."""
         assert self._conn is not None
+        bound = max(0.0, deadline - time.monotonic())
         while self._stash:
             msg = self._stash.pop(0)
             if msg.op not in skip:
@@ -133,7 +151,8 @@ class BackgroundWriter:
                 code = self.proc.returncode if self.proc is not None else None
                 raise WriterDied(f"rank {self.rank}: the writer process died (exit code {code}) while {what}")
             if time.monotonic() > deadline:
-                raise CheckpointTimeoutError(f"rank {self.rank}: timed out after {self.timeout:.0f}s while {what}")
+                raise CheckpointTimeoutError(f"rank {self.rank}: no word from the writer within {bound:.0f}s while "
+                                             f"{what}")
 
     # ------------------------------------------------------------------ jobs
     def attach_if_needed(self) -> None:

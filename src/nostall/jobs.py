@@ -17,6 +17,7 @@ ATTACH         to writer    map the staging area (its fd follows); ``size``
 SAVE           to writer    run ``job``
 CHUNK          to writer    chunk ``index`` of the job in flight: ``segments``
 CHUNK_ABORT    to writer    staging failed part-way: ``text`` says why
+WARM           to writer    get ready to write to ``root`` (object storage: its client), off any deadline
 PING / STOP    to writer    liveness / exit after answering
 ATTACHED       to trainer   the area of ``size`` bytes is mapped
 CHUNK_DONE     to trainer   chunk ``index`` is written: its half may be reused
@@ -153,6 +154,7 @@ class JobResult:
 
 class Op(enum.Enum):
     ATTACH = "attach"
+    WARM = "warm"
     SAVE = "save"
     CHUNK = "chunk"
     CHUNK_ABORT = "chunk_abort"
@@ -176,3 +178,4 @@ class Msg:
     result: Optional[JobResult] = None
     segments: Optional[List[Segment]] = None
     text: str = ""
+    root: Any = None

@@ -156,7 +156,7 @@ class CheckpointManager:
             if not self.read_only:
                 self._claim_root()
             if self.options.async_save:
-                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout)
+                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
         except BaseException:
             if self._claim is not None:
                 self._claim.release()
@@ -300,7 +300,7 @@ class CheckpointManager:
                 handle._set_result(stats)
                 return handle
             if self._writer is None:
-                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout)
+                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
             use_overlap = self.options.overlap if overlap is None else bool(overlap)
             pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
                                              stage_now=_key_filter(stage_now))

@@ -194,6 +194,10 @@ class Root(abc.ABC):
     def claim(self) -> Claim:
         """Rank 0, when a manager opens the root: take it, then remove what crashed saves left."""
 
+    def warm(self) -> None:  # noqa: B027 - optional step, no-op by default
+        """A writer, when it starts: get ready to write here (object storage: import and build the client),
+        so that the first save's deadline is not spent on it."""
+
     def check(self) -> None:  # noqa: B027 - optional step, no-op by default
         """Refuse a root that nostall cannot use safely (raises naming the entry)."""
 
@@ -766,6 +770,9 @@ class ObjectRoot(Root):
 
     def __repr__(self) -> str:
         return f"ObjectRoot({self.url!r})"
+
+    def warm(self) -> None:
+        self._fs()
 
     def _fs(self) -> Tuple[Any, str]:
         if self._fs_cache is None:

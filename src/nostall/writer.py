@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 from .commit import RecordBarrier, Writer, run_job, write_files
 from .errors import CheckpointSaveError
@@ -159,6 +159,23 @@ def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
     return feed
 
 
+def _exit_now() -> NoReturn:
+    """End the process at once, skipping the interpreter's shutdown.
+
+    Once the trainer is gone (or has stopped us) nothing is left to do, and a
+    normal exit -- atexit handlers, then finalizing every module, long with
+    fsspec/s3fs loaded and slow in this niced process on a busy machine --
+    keeps the process alive 0.1-1 s after its trainer, with the watchdog
+    thread already frozen by the finalization.
+    """
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
+
+
 def main(fd: int, trainer_pid: int = 0) -> int:
     """The writer process: serve jobs from the trainer over the socket ``fd``.
 
@@ -188,7 +205,7 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                 msg: Msg = conn.recv()
                 if msg.op is Op.STOP:
                     conn.send(Msg(Op.STOPPED))
-                    return 0
+                    _exit_now()
                 if msg.op is Op.ATTACH:
                     (afd,) = recvfds(sock, 1)
                     if view is not None:
@@ -199,6 +216,11 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                     os.close(afd)
                     view = memoryview(area)
                     conn.send(Msg(Op.ATTACHED, size=msg.size))
+                elif msg.op is Op.WARM:
+                    try:
+                        msg.root.warm()
+                    except Exception as e:  # the first save will meet (and report) the cause
+                        log.warning("getting ready to write to %s failed: %s", msg.root, e)
                 elif msg.op is Op.SAVE:
                     job = msg.job
                     assert job is not None
@@ -212,7 +234,7 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                 elif msg.op is Op.PING:
                     conn.send(Msg(Op.PONG, size=os.getpid()))
             except (EOFError, OSError):
-                return 0  # the trainer is gone (its end of the socket is closed)
+                _exit_now()  # the trainer is gone (its end of the socket is closed)
     finally:
         try:
             if view is not None:
