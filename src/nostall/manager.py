@@ -432,7 +432,7 @@ class CheckpointManager:
                 step = self.latest_step()
                 if step is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-            elif not self._root.is_checkpoint(step_name(step)):
+            elif step not in self.steps():  # (refuses a symlinked step_<N>)
                 raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
                                               f"checkpoint of step {step} (committed steps: {self.steps()})")
             return load_state(

@@ -305,6 +305,17 @@ def _rename_exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a)
 
 
+def _create(path: str, data: bytes = b"") -> None:
+    """Create a small file that must not exist yet (never following a link). Not fsynced: marks and
+    slots only ever save a crash's cleanup or a rename's space, and stay off the trainer's stall."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        if data:
+            os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def _lkind(path: str) -> Optional[int]:
     """``st_mode`` of ``path`` itself (never following a link), or None when absent."""
     try:
@@ -433,7 +444,7 @@ class PosixRoot(Root):
 
     def _make_ours(self, path: str, save_id: str, make_dir: bool = True) -> None:
         """Claim ``path`` with its mark (first: a crash never leaves an unmarked entry of ours), then make it."""
-        storage.write_file(self._mark_of(path), [memoryview(save_id.encode())])
+        _create(self._mark_of(path), save_id.encode())
         if make_dir:
             os.mkdir(path)
 
@@ -529,7 +540,7 @@ class PosixRoot(Root):
         self._make_ours(d, dest.save_id)
         # the outcome slot exists before anything is written: announcing the outcome is then a
         # rename, which needs no space, so a full disk cannot make the outcome differ from the commit
-        storage.write_file(os.path.join(d, "outcome.pending"), [])
+        _create(os.path.join(d, "outcome.pending"))
 
     def open_staging(self, dest: Destination, rank: int) -> str:
         path = self._tmp("save", dest.save_id, dest.name)
@@ -644,7 +655,7 @@ class PosixRoot(Root):
         storage.atomic_write(path, data)
 
     def reserve_done(self, dest: Destination, rank: int) -> None:
-        storage.write_file(os.path.join(self._records(dest.save_id), f"rank{rank}.pending"), [])
+        _create(os.path.join(self._records(dest.save_id), f"rank{rank}.pending"))
 
     def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
         d = self._records(dest.save_id)
