@@ -177,11 +177,14 @@ def test_cli_newest_checkpoint_is_the_one_load_uses(tmp_path, capsys):
 
 
 def test_sigterm_handler_is_removed_by_close(tmp_path):
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    m = nostall.CheckpointManager(tmp_path, async_save=True)
-    assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # drains the pending save on SIGTERM
-    m.close()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (another test's library, Ray, may have set one)
+    try:
+        m = nostall.CheckpointManager(tmp_path, async_save=True)
+        assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # drains the pending save on SIGTERM
+        m.close()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def test_the_writer_side_never_imports_torch():
