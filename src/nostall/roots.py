@@ -66,7 +66,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import remote, storage
 from ._faults import Faults, crash_point
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from .format import MANIFEST_NAME, Manifest, check_json_cost
 from .jobs import Destination, Done, Outcome
 
@@ -382,6 +382,9 @@ class PosixRoot(Root):
             names = os.listdir(self.url)
         except FileNotFoundError:
             return []
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(f"{self.url} is neither a checkpoint nor a checkpoint root (it is not a "
+                                          "directory)") from None
         out = []
         for n in names:
             s = parse_step(n)
@@ -1092,8 +1095,6 @@ def resolve(location: str, step: Optional[int] = None, *,
 
     Raises :class:`~nostall.CheckpointNotFoundError` naming what was looked for.
     """
-    from .errors import CheckpointNotFoundError
-
     if step is None:
         root, name = split_checkpoint(location, storage_options)
         if root.manifest_bytes(name) is not None:  # a checkpoint (reading it says whether it is a sound one)

@@ -132,7 +132,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.plot:
         plot(first, second, a.stop, a.plot)
         print(f"   plot: {a.plot}")
-    print(f"\ncheckpoints: {os.path.join(root, 'ckpts')}  (try: nostall inspect {os.path.join(root, 'ckpts')}/latest)")
+    ckpts = os.path.join(root, "ckpts")
+    print(f"\ncheckpoints: {ckpts}  (try: nostall ls {ckpts}; nostall inspect {ckpts})")
     if not same:
         print("demo: the resumed run did NOT reproduce the first run's losses", file=sys.stderr)
         return 1
