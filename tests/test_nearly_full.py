@@ -13,6 +13,7 @@ import os
 
 import pytest
 
+from tests.test_faults import _save_outcome as _outcome
 from tests.test_faults import small_fs  # noqa: F401  (the 6 MiB tmpfs fixture)
 
 PAGE = 4096
@@ -25,17 +26,6 @@ def _state(step, rank, world):
 
     w = torch.full((64, 1024), float(step * 10 + rank))  # 256 KiB per rank
     return {"w": nostall.ShardedTensor(w, (64 * world, 1024), (64 * rank, 0)), "meta": {"step": step}}
-
-
-def _outcome(mgr, step, state):
-    import nostall
-
-    try:
-        mgr.save(step, state)
-        mgr.finalize_pending_saves()
-    except nostall.CheckpointSaveError as e:
-        return str(e)
-    return None
 
 
 def _sweep(rank, world, root, filler, async_save, spares):
