@@ -171,6 +171,7 @@ def test_cli_newest_checkpoint_is_the_one_load_uses(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["step"] == 2
     assert cli.main(["verify", "--json", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["path"].endswith("step_2")
+    assert _value(nostall.load(_tmpl(), tmp_path)) == 20  # nostall.load takes the run root as the CLI does
 
 
 # --------------------------------------------------------------------------- lifetime and contracts

@@ -13,7 +13,7 @@ from .handles import SaveStats
 from .jobs import Destination
 from .loading import load_state
 from .options import Options
-from .roots import split_checkpoint
+from .roots import resolve, split_checkpoint
 from .saving import Saver
 
 __all__ = ["save", "load"]
@@ -39,13 +39,16 @@ def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
          process_group: Any = None, storage_options: Optional[Dict[str, Any]] = None) -> Any:
     """Fill ``state`` from the checkpoint at ``path``; see CheckpointManager.load.
 
-    ``path`` is a directory or an object-storage URL such as
-    ``s3://bucket/run/step_100`` (any fsspec protocol whose package is
-    installed; ``storage_options`` go to fsspec). Each rank fetches only the
-    byte ranges its template needs, and verifies them.
+    ``path`` is a checkpoint (a directory, or an object-storage URL such as
+    ``s3://bucket/run/step_100``: any fsspec protocol whose package is
+    installed; ``storage_options`` go to fsspec), or a manager's run root:
+    then the checkpoint its ``load()`` would use, as ``nostall inspect``
+    does. Each rank fetches only the byte ranges its template needs, and
+    verifies them.
     """
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-    return load_state(state, os.fspath(path), rank=rank, world_size=world, verify=verify, per_rank=per_rank,
+    root, name, _ = resolve(os.fspath(path), storage_options=storage_options)
+    return load_state(state, root.path(name), rank=rank, world_size=world, verify=verify, per_rank=per_rank,
                       storage_options=storage_options)

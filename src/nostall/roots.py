@@ -182,6 +182,10 @@ class Root(abc.ABC):
         """Whether ``name`` is a committed nostall checkpoint (its manifest parses as one)."""
 
     @abc.abstractmethod
+    def has_manifest(self, name: str) -> bool:
+        """Whether something named ``manifest.json`` is in ``name`` (reading it tells whether it is sound)."""
+
+    @abc.abstractmethod
     def manifest_bytes(self, name: str) -> Optional[bytes]:
         """The manifest of the checkpoint ``name`` in place, as stored; None when there is none."""
 
@@ -416,6 +420,11 @@ class PosixRoot(Root):
         except OSError:
             return False
         return raw is not None and _is_nostall_manifest(raw, os.path.join(self.path(name), MANIFEST_NAME))
+
+    def has_manifest(self, name: str) -> bool:
+        d = self.path(name)
+        mode = self._no_link(d)
+        return mode is not None and stat.S_ISDIR(mode) and _lkind(os.path.join(d, MANIFEST_NAME)) is not None
 
     def manifest_bytes(self, name: str) -> Optional[bytes]:
         d = self.path(name)
@@ -854,6 +863,12 @@ class ObjectRoot(Root):
     def is_checkpoint(self, name: str) -> bool:
         return self._manifest(name) is not None
 
+    def has_manifest(self, name: str) -> bool:
+        fs = self._fs()[0]
+        fs.invalidate_cache()  # other processes write here: never trust a cached listing
+        return bool(self._retry(f"stat {_join(self.url, name, MANIFEST_NAME)}",
+                                lambda: fs.exists(self._key(name, MANIFEST_NAME))))
+
     def manifest_bytes(self, name: str) -> Optional[bytes]:
         try:
             return remote.read_small(_join(self.url, name, MANIFEST_NAME), MANIFEST_PROOF_MAX_BYTES,
@@ -1097,14 +1112,15 @@ def resolve(location: str, step: Optional[int] = None, *,
     """
     if step is None:
         root, name = split_checkpoint(location, storage_options)
-        if root.manifest_bytes(name) is not None:  # a checkpoint (reading it says whether it is a sound one)
+        if root.has_manifest(name):  # a checkpoint (reading it says whether it is a sound one)
             return root, name, None
     root = open_root(location, storage_options=storage_options)
     if step is None:
         step = root.latest_step()
         if step is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {root.url}: no {MANIFEST_NAME} there, "
-                                          "and no step_<N> checkpoint in it")
+            raise CheckpointNotFoundError(f"no committed checkpoint at {root.url}: it is not a committed checkpoint "
+                                          f"(no {MANIFEST_NAME} there: an interrupted save?) nor a run root holding "
+                                          "one (no step_<N> in it)")
     if not root.is_checkpoint(step_name(step)):
         raise CheckpointNotFoundError(f"{root.path(step_name(step))} is not a committed checkpoint: no "
                                       f"checkpoint of step {step} (committed steps: {root.steps()})")
