@@ -151,7 +151,13 @@ def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     trash.mkdir()
     (tmp_path / ".tmp" / ("trash-" + "0123" * 8 + ".nostall")).write_text("0123" * 8)
     (trash / "x").write_bytes(b"x")
+    # marks a crash cut short while they were written (their entry never came): nostall's too
+    cut = [tmp_path / ".tmp" / ("trash-" + "a" * 32 + ".nostall"), tmp_path / ".tmp" / ("save-" + "b" * 32 + ".nostall")]
+    cut[0].write_text("")
+    cut[1].write_text("b" * 7)
     # and what nostall cannot prove it made: left alone
+    foreign_mark = tmp_path / ".tmp" / ("save-" + "c" * 32 + ".nostall")
+    foreign_mark.write_text("not an id")
     theirs = [tmp_path / ".tmp" / "step_7", tmp_path / ".tmp" / ("save-" + "8" * 32)]
     for d in theirs:
         d.mkdir()
@@ -171,6 +177,7 @@ def test_leftover_staging_is_removed_by_a_new_manager(tmp_path: Path) -> None:
     assert not left.exists()
     assert not trash.exists()
     assert all((d / "notes.txt").read_text() == "the user's" for d in theirs)
+    assert not any(m.exists() for m in cut) and foreign_mark.read_text() == "not an id"
     assert (tmp_path / "step_5" / "manifest.json").is_file()
     assert_is_step(nostall.CheckpointManager(tmp_path).load(template()), 5)
 

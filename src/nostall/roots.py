@@ -454,6 +454,17 @@ class PosixRoot(Root):
         except OSError:
             return False
 
+    def _drop_cut_mark(self, path: str, save_id: str) -> None:
+        """A mark whose entry never came: a crash cut it short while it was being written (its
+        content is a prefix of the id in its name, possibly empty). It is nostall's: delete it."""
+        mark = self._mark_of(path)
+        try:
+            content = storage.read_small_file(mark, 64).decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            return
+        if save_id.startswith(content):
+            os.unlink(mark)
+
     def _make_ours(self, path: str, save_id: str, make_dir: bool = True) -> None:
         """Claim ``path`` with its mark (first: a crash never leaves an unmarked entry of ours), then make it."""
         _create(self._mark_of(path), save_id.encode())
@@ -466,6 +477,7 @@ class PosixRoot(Root):
             if _lkind(path) is not None:
                 log.warning("%s is not nostall's (no mark for save %s): left alone", path, save_id)
                 return False
+            self._drop_cut_mark(path, save_id)
             return True
         mode = _lkind(path)
         if mode is not None:
