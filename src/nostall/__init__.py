@@ -3,8 +3,11 @@
 Public API::
 
     mgr = nostall.CheckpointManager(root, keep_last=3, async_save=True)
-    mgr.save(step, state)          # state: nested dict of tensors, ShardedTensor,
-    restored = mgr.load(state)     # DTensor, JSON values and PerRank values
+    mgr.save(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=True)
+    resumed = mgr.load(model=model, optimizer=optimizer, scheduler=scheduler)
+
+    # the state-dict API: nested dicts of tensors, ShardedTensor, DTensor, JSON and PerRank values
+    mgr.save(step, state); restored = mgr.load(state)
     nostall.save(state, path); nostall.load(state, path)
 
 Names are imported lazily, so that ``import nostall.writer`` (the background
@@ -33,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .manager import CheckpointManager
     from .model import PerRank, ShardedTensor
     from .options import Options
+    from .training import LoadedCheckpoint, ParallelLayout
 
 __version__ = "0.1.0"
 
@@ -45,6 +49,8 @@ _LAZY = {
     "save": "api",
     "load": "api",
     "Options": "options",
+    "ParallelLayout": "training",
+    "LoadedCheckpoint": "training",
 }
 
 __all__ = [
@@ -56,6 +62,8 @@ __all__ = [
     "save",
     "load",
     "Options",
+    "ParallelLayout",
+    "LoadedCheckpoint",
     "CheckpointError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 import sys
 import time
@@ -322,6 +323,15 @@ def make_comm(process_group: Optional[Any], timeout: float, own_group: bool) -> 
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise CheckpointError("process_group given but torch.distributed is not initialised")
+        launched = os.environ.get("WORLD_SIZE", "1")
+        if launched.isdigit() and int(launched) > 1:
+            # torchrun (or a like launcher) started several ranks, but they never formed a group:
+            # each would save alone and the checkpoint would hold one rank's pieces
+            raise CheckpointError(
+                f"WORLD_SIZE={launched} (RANK={os.environ.get('RANK', '?')}): this is a multi-rank launch, but "
+                "torch.distributed is not initialised; call torch.distributed.init_process_group() on every "
+                "rank before creating a CheckpointManager or calling nostall.save/load"
+            )
         return Comm()
     group = process_group if process_group is not None else dist.group.WORLD
     if not own_group and dist.get_backend(group) == "gloo":

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from .errors import CheckpointError
+
+log = logging.getLogger("nostall")
 
 __all__ = ["SaveStats", "SaveHandle"]
 
@@ -29,6 +32,11 @@ class SaveStats:
     ``stall_s`` includes that wait. Under a host-memory budget, ``chunks`` is
     how many pieces the state went through the area in (0: all at once);
     ``staging_bytes`` is the staging area's size (the host memory it held).
+
+    An asynchronous save's handle has stats as soon as ``save()`` returns:
+    what is known then (``stall_s``, ``wait_s``, ``plan_s``, ``stage_s``,
+    the bytes); ``write_s``, ``commit_s`` and ``total_s`` are None until the
+    save is committed (``committed``).
     """
 
     step: Optional[int]
@@ -39,9 +47,9 @@ class SaveStats:
     wait_s: float
     plan_s: float
     stage_s: float
-    write_s: float
-    commit_s: float
-    total_s: float
+    write_s: Optional[float]
+    commit_s: Optional[float]
+    total_s: Optional[float]
     bytes_written: int
     total_bytes: int
     plan_cached: bool
@@ -51,9 +59,14 @@ class SaveStats:
     staging_bytes: int = 0
 
     @property
+    def committed(self) -> bool:
+        """True once these are the stats of a committed save (all fields known)."""
+        return self.total_s is not None
+
+    @property
     def write_throughput(self) -> float:
-        """This rank's bytes per second of write time."""
-        return self.bytes_written / self.write_s if self.write_s > 0 else 0.0
+        """This rank's bytes per second of write time (0.0 until committed)."""
+        return self.bytes_written / self.write_s if self.write_s else 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -62,15 +75,24 @@ class SaveStats:
 
 
 class SaveHandle:
-    """The outcome of one ``save()``, in the manner of ``concurrent.futures.Future``."""
+    """The outcome of one ``save()``, in the manner of ``concurrent.futures.Future``.
+
+    Example::
+
+        handle = mgr.save(step, model=model, optimizer=optimizer)   # async_save=True
+        print(f"blocked {handle.stats.stall_s * 1e3:.0f} ms")      # known at once
+        handle.add_done_callback(lambda h: print("committed", h.path) if h.exception() is None else None)
+        handle.result()                                              # waits for the commit (bounded)
+    """
 
     def __init__(
         self,
         step: Optional[int],
         path: str,
         driver: Optional[Callable[[Optional[float]], None]] = None,
-        peek: Optional[Callable[[], None]] = None,
+        peek: Optional[Callable[[], Optional[bool]]] = None,
         reported: Optional[Callable[[BaseException], None]] = None,
+        staged: Optional[SaveStats] = None,
     ) -> None:
         self.step = step
         self.path = path
@@ -79,16 +101,68 @@ class SaveHandle:
         self._peek = peek
         self._reported = reported
         self._done = threading.Event()
-        self._stats: Optional[SaveStats] = None
+        self._stats: Optional[SaveStats] = staged
         self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self._callbacks: List[Callable[["SaveHandle"], Any]] = []
+        self._watcher: Optional[threading.Thread] = None
 
     def _set_result(self, stats: SaveStats) -> None:
         self._stats = stats
-        self._done.set()
+        self._finish()
 
     def _set_exception(self, error: BaseException) -> None:
         self._error = error
-        self._done.set()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done.set()  # callbacks run later, outside the manager's lock (_run_callbacks)
+
+    def _run_callbacks(self) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                return
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._call(fn)
+
+    def _call(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        try:
+            fn(self)
+        except Exception:
+            log.exception("a done callback of the save of step %s raised", self.step)
+
+    def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        """Call ``fn(handle)`` once the save is committed or failed (at once if it already is).
+
+        As in ``concurrent.futures``: callbacks run in the order added, in
+        the thread that learns the outcome (a watcher thread of this handle,
+        which looks about every 50 ms, or a caller of ``result()``, ``done()``,
+        the next ``save()`` or ``finalize_pending_saves()``); an exception a
+        callback raises is logged and ignored. A failed save's error is
+        ``handle.exception()`` inside the callback; it is still raised by
+        the manager's next call, as for any failed save.
+        """
+        with self._lock:
+            self._callbacks.append(fn)
+            if not self._done.is_set() and self._watcher is None and self._peek is not None:
+                self._watcher = threading.Thread(target=self._watch, name=f"nostall-handle-{self.step}",
+                                                 daemon=True)
+                self._watcher.start()
+        self._run_callbacks()
+
+    def _watch(self) -> None:
+        """Look for the outcome without blocking anyone, until it is known or nobody can learn it."""
+        peek = self._peek
+        assert peek is not None
+        while not self._done.wait(0.05):
+            try:
+                if peek() is False:
+                    break  # the manager closed without an outcome for this save
+            except Exception:
+                log.exception("watching the save of step %s failed", self.step)
+                break
+        self._run_callbacks()
 
     def _settle(self, timeout: Optional[float]) -> None:
         if self._done.is_set():
@@ -100,12 +174,16 @@ class SaveHandle:
                 pass  # still pending (checked below)
         if not self._done.wait(0 if self._driver is not None else timeout):
             raise CheckpointError(f"save of step {self.step} not finished within {timeout}s")
+        self._run_callbacks()
 
     def done(self) -> bool:
-        """True once the checkpoint is committed or the save failed. Never blocks."""
+        """True once the checkpoint is committed or the save failed. Never blocks; looks for the outcome."""
         if not self._done.is_set() and self._peek is not None:
             self._peek()
-        return self._done.is_set()
+        if self._done.is_set():
+            self._run_callbacks()
+            return True
+        return False
 
     def result(self, timeout: Optional[float] = None) -> SaveStats:
         """Wait (bounded by ``timeout``, default: the manager's) for the commit and
@@ -125,8 +203,10 @@ class SaveHandle:
 
     @property
     def stats(self) -> Optional[SaveStats]:
-        """The stats once the save succeeded, else None."""
-        return self._stats
+        """This rank's stats: complete once committed; for an asynchronous save still in
+        flight, what is known since ``save()`` returned (``stats.committed`` is False);
+        None for a save that failed."""
+        return None if self._error is not None else self._stats
 
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "committed")

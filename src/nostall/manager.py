@@ -22,6 +22,7 @@ from .loading import load_state
 from .options import Options
 from .roots import Claim, open_root, step_name
 from .saving import PendingSave, Saver
+from .training import ParallelLayout, Training, load_training
 
 log = logging.getLogger("nostall")
 
@@ -31,6 +32,20 @@ __all__ = ["CheckpointManager"]
 def _sigterm_to_exit(signum: int, frame: Any) -> None:
     """SIGTERM handler: unwind and exit normally, so that atexit drains pending saves."""
     raise SystemExit(128 + signum)
+
+
+def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool, extra: Any,
+              layout: Optional[ParallelLayout], verb: str) -> Optional[Training]:
+    """The training objects of a save or load call, or None for the state-dict form; refuses a mix."""
+    objects = model is not None or optimizer is not None or scheduler is not None or extra is not None
+    if state is not None:
+        if objects or layout is not None or (verb == "save" and rng):
+            raise TypeError(f"{verb}(): pass either a state or training objects (model=, optimizer=, scheduler=, "
+                            "rng=, extra=), not both; put your own values in extra=")
+        return None
+    if not objects:
+        raise TypeError(f"{verb}(): nothing to {verb}: pass model= (and optimizer=, scheduler=, extra=), or a state")
+    return Training(model, optimizer, scheduler, rng, extra, layout)
 
 
 def _key_filter(stage_now: Any) -> Optional[Callable[[str], bool]]:
@@ -89,6 +104,11 @@ class CheckpointManager:
             staging area may take. A rank's state larger than this goes
             through the area in chunks, written as they come: ``save()`` then
             blocks until all but the last chunks are written.
+        check_replicas: compare the copies of every tensor saved once for
+            several ranks (plain tensors, ShardedTensor replicas) and refuse a
+            save whose copies differ, naming the key and the ranks. None
+            (default): on the first save and whenever the plan changes;
+            True: at every save; False: never.
         options: all of the above as one :class:`~nostall.Options` value
             (shared with ``Strategy``); when given, the keyword arguments
             above are ignored.
@@ -123,6 +143,7 @@ class CheckpointManager:
         fallback_sync: bool = False,
         overlap: bool = False,
         staging_budget_bytes: Optional[int] = None,
+        check_replicas: Optional[bool] = None,
         options: Optional[Options] = None,
     ) -> None:
         if options is None:
@@ -130,6 +151,7 @@ class CheckpointManager:
                 keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
                 block_size=block_size, storage_options=storage_options, local_staging_dir=local_staging_dir,
                 fallback_sync=fallback_sync, overlap=overlap, staging_budget_bytes=staging_budget_bytes,
+                check_replicas=check_replicas,
             )
         if read_only and options.async_save:
             options = options.but(async_save=False)
@@ -140,6 +162,7 @@ class CheckpointManager:
                                timeout=self.options.timeout, faults=self._faults)
         self.root = self._root.url
         self._hooks: List[Any] = []
+        self._attached: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers attached by save(optimizer=)
         self._lock = threading.RLock()
         self._closed = False
         self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
@@ -262,28 +285,49 @@ class CheckpointManager:
                 self._writer.area.ensure(min(size, budget or size), cap=budget)
                 self._writer.attach_if_needed()
 
-    def save(self, step: int, state: Any, *, async_save: Optional[bool] = None, overlap: Optional[bool] = None,
+    def save(self, step: int, state: Any = None, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+             rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
+             async_save: Optional[bool] = None, overlap: Optional[bool] = None,
              stage_now: Any = None) -> SaveHandle:
-        """Save ``state`` as checkpoint ``step``; a collective call over the group.
+        """Save checkpoint ``step``; a collective call over the group.
+
+        Either training objects, read as they are now::
+
+            mgr.save(step, model=model, optimizer=optimizer, scheduler=scheduler,
+                     rng=True, extra={"epoch": epoch, "loader": nostall.PerRank(position)})
+
+        (optimizer state keyed by parameter name and split like its
+        parameter; ``extra``: the caller's own state; ``layout`` only for
+        Megatron-style tensor-parallel parameters; see
+        :class:`nostall.training.Training`), or a ``state``: a nested dict
+        whose leaves are tensors (replicated), ShardedTensor, DTensor,
+        PerRank and JSON values::
+
+            mgr.save(step, {"model": model.state_dict(), "step": step})
 
         Waits first for the previous save of this manager to be committed. A
         synchronous save returns after its commit; an asynchronous one
         (``async_save`` defaults to the manager's setting) once this rank's
-        data is copied to host memory: the returned handle completes later.
+        data is copied to host memory: the returned handle completes later,
+        and its ``stats.stall_s`` is known at once.
 
         Raises :class:`~nostall.InvalidStateError` for a bad state and
         :class:`~nostall.CheckpointSaveError` when a rank failed; nothing is
         then committed and the previous checkpoint stays latest. Tensors may be
         modified as soon as ``save()`` returns, except with ``overlap``
         (default: the manager's), where they may be modified once
-        :meth:`wait_until_staged` returns. ``stage_now`` (overlap only): keys
-        to copy before ``save()`` returns, because the caller changes them
-        before its next optimizer step (BatchNorm's running statistics, say):
-        a callable ``key -> bool``, or key prefixes (``"model/bn1."`` for a
-        ``state_dict()`` saved under ``"model"``).
+        :meth:`wait_until_staged` returns (an optimizer passed as
+        ``optimizer=`` is attached: its ``step()`` waits by itself, and the
+        model's buffers are copied before ``save()`` returns). ``stage_now``
+        (overlap only): keys to copy before ``save()`` returns, because the
+        caller changes them before its next optimizer step (BatchNorm's
+        running statistics, say): a callable ``key -> bool``, or key
+        prefixes (``"model/bn1."`` for a ``state_dict()`` saved under
+        ``"model"``).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save")
         use_async = self.options.async_save if async_save is None else bool(async_save)
         if self.options.fallback_sync:
             use_async = False
@@ -291,6 +335,14 @@ class CheckpointManager:
         with self._lock:
             self._check_open(writing=True)
             self.finalize_pending_saves()
+            use_overlap = use_async and (self.options.overlap if overlap is None else bool(overlap))
+            if training is not None:
+                state = training.state(self.world_size)
+                if use_overlap:
+                    if optimizer is not None and optimizer not in self._attached:
+                        self.attach(optimizer)
+                    if stage_now is None:
+                        stage_now = set(training.buffer_keys()).__contains__
             dest = Destination(self._root, step_name(step), step, "", move_latest=True,
                                keep_last=self.options.keep_last)
             if not use_async:
@@ -301,7 +353,6 @@ class CheckpointManager:
                 return handle
             if self._writer is None:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
-            use_overlap = self.options.overlap if overlap is None else bool(overlap)
             pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
                                              stage_now=_key_filter(stage_now))
             if self.rank == 0 and self._last_records is not None:
@@ -309,7 +360,7 @@ class CheckpointManager:
                 self._root.drop_records(self._last_records)
             self._last_records = pending.job.save_id
             handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
-                                reported=self._reported)
+                                reported=self._reported, staged=self._saver.staged_stats(pending))
             self._pending = (pending, handle)
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
@@ -349,18 +400,23 @@ class CheckpointManager:
         with self._lock:
             self._settle(timeout)
 
-    def _peek(self) -> None:
-        """SaveHandle.done(): settle only if the outcome is already there; never blocks."""
+    def _peek(self) -> Optional[bool]:
+        """SaveHandle.done(): settle only if the outcome is already there; never blocks.
+
+        False once the manager is closed (no outcome can come any more)."""
+        if self._closed:
+            return False
         if not self._lock.acquire(blocking=False):
-            return
+            return None
         try:
             if self._pending is None:
-                return
+                return None
             pending, _ = self._pending
             if pending.staging is not None and pending.staging.is_alive():
-                return  # still copying: the writer has not even got the job
+                return None  # still copying: the writer has not even got the job
             if pending.failed is not None or (self._writer is not None and self._writer.ready()):
                 self._settle(None)
+            return None
         finally:
             self._lock.release()
 
@@ -398,6 +454,7 @@ class CheckpointManager:
 
         handle = optimizer.register_step_pre_hook(before_step)
         self._hooks.append(handle)
+        self._attached.add(optimizer)
         return handle
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
@@ -417,14 +474,30 @@ class CheckpointManager:
                     raise e
                 log.error("%s (errors='log': training goes on)", e)
 
-    def load(self, state: Any, step: Optional[int] = None, *, verify: bool = True, per_rank: str = "error") -> Any:
-        """Fill ``state``'s tensors in place from checkpoint ``step`` (None: latest).
+    def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
+             scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
+             verify: bool = True, per_rank: str = "error") -> Any:
+        """Restore checkpoint ``step`` (None: latest); not a collective call.
 
-        Finalizes pending saves first. Returns the restored state: the same
-        structure, tensors filled in place, JSON values and this rank's PerRank
-        values (unwrapped) as saved. The template may be sharded differently,
-        or on another world size, than the save. Not a collective call.
+        Training objects, restored in place (a fresh optimizer needs no
+        preparation; its learning rate and the scheduler come back too)::
+
+            resumed = mgr.load(model=model, optimizer=optimizer, scheduler=scheduler)
+            start = resumed.step + 1
+
+        returns a :class:`~nostall.LoadedCheckpoint` (``step``, ``extra``,
+        ``rng_restored``: RNG states saved with ``rng=True`` are set when
+        ``rng`` is true and the world size is the saving one's). ``extra``:
+        a template when the saved extra holds tensors or PerRank values.
+
+        Or a ``state`` template: its tensors are filled in place, and the
+        restored state is returned (the same structure, with JSON values and
+        this rank's PerRank values, unwrapped, as saved).
+
+        Either way the template may be sharded differently, or be on another
+        world size, than the save. Finalizes pending saves first.
         """
+        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load")
         with self._lock:
             self._check_open()
             self.finalize_pending_saves()
@@ -435,16 +508,14 @@ class CheckpointManager:
             elif step not in self.steps():  # (refuses a symlinked step_<N>)
                 raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
                                               f"checkpoint of step {step} (committed steps: {self.steps()})")
-            return load_state(
-                state,
-                self.path_for(step),
-                rank=self._comm.rank,
-                world_size=self._comm.size,
-                verify=verify,
-                per_rank=per_rank,
-                storage_options=self.options.storage_options,
-                timeout=self.options.timeout,
-            )
+            path = self.path_for(step)
+            if training is not None:
+                return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
+                                     per_rank=per_rank, storage_options=self.options.storage_options,
+                                     timeout=self.options.timeout)
+            return load_state(state, path, rank=self._comm.rank, world_size=self._comm.size, verify=verify,
+                              per_rank=per_rank, storage_options=self.options.storage_options,
+                              timeout=self.options.timeout)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -467,6 +538,7 @@ class CheckpointManager:
                 for h in self._hooks:
                     h.remove()
                 self._hooks.clear()
+                self._attached = weakref.WeakSet()
                 atexit.unregister(self._at_exit)
                 if self._sigterm_installed and signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
                     try:

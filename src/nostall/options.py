@@ -67,6 +67,12 @@ class Options:
         overlap: async saves copy into host memory while training goes on.
         staging_budget_bytes: the most host memory the staging area may take
             (rounded down to whole pages).
+        check_replicas: compare, across the ranks holding it, every tensor
+            that is saved once for several ranks (a plain tensor, a replica
+            of a ShardedTensor piece); a save whose copies differ fails on
+            every rank, naming the key and the ranks. ``None`` (default): on
+            a manager's first save and whenever the plan changes; ``True``:
+            every save; ``False``: never.
     """
 
     keep_last: Optional[int] = None
@@ -79,6 +85,7 @@ class Options:
     fallback_sync: bool = False
     overlap: bool = False
     staging_budget_bytes: Optional[int] = None
+    check_replicas: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -96,6 +103,8 @@ class Options:
             object.__setattr__(self, "staging_budget_bytes",
                                self.staging_budget_bytes - self.staging_budget_bytes % mmap.PAGESIZE)
         object.__setattr__(self, "timeout", float(self.timeout))
+        if self.check_replicas is not None and not isinstance(self.check_replicas, bool):
+            raise ValueError(f"check_replicas must be None, True or False, got {self.check_replicas!r}")
         for name in ("async_save", "fallback_sync", "overlap"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 

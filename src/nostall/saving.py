@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from . import replicas
 from ._comm import Comm
 from ._faults import Faults, crash_point
 from ._tensorbuf import byte_view, host_contiguous
@@ -249,6 +250,7 @@ class Saver:
         self.options = options
         self.faults = faults if faults is not None else Faults()
         self._plan: Optional[SavePlan] = None
+        self._shared: Dict[str, Tuple[int, ...]] = {}  # keys several ranks hold a copy of (for the plan above)
 
     # ------------------------------------------------------------------ collective phases
     def plan(self, state: Any) -> SavePlan:
@@ -328,12 +330,19 @@ class Saver:
             plan = self._plan
         else:
             self._plan = None
+            metas = comm.all_gather(meta)
             try:
-                plan = build_plan(comm.all_gather(meta))
+                plan = build_plan(metas)
             except InvalidStateError as e:  # computed identically on every rank from the same metadata
                 return e, None
-            self._plan = plan
+            self._plan, self._shared = plan, replicas.shared_keys(metas)
         assert plan is not None
+        check = self.options.check_replicas
+        if self._shared and (check or (check is None and not cached)):
+            error = self._check_replicas(flat)
+            if error is not None:
+                self._plan = None  # the next save checks again, even with the same structure
+                return error, None
         try:
             objects = check_objects([r[3][0] for r in round1])
         except InvalidStateError as e:
@@ -342,6 +351,23 @@ class Saver:
             dest = Destination(None, "", step, "")
         return None, Prepared(replace(dest, save_id=round1[0][5]), flat, plan, objects, [r[3][1] for r in round1],
                               cached, t0, time.perf_counter())
+
+    def _check_replicas(self, flat: FlatState) -> Optional[InvalidStateError]:
+        """Compare every rank's copies of the keys saved once for several ranks (collective).
+
+        Every rank gets the same verdict from the same gathered checksums.
+        """
+        mine: Any
+        try:
+            mine = replicas.digests(flat, self._shared, self.comm.rank)
+        except Exception as e:  # the others must not wait for this rank's checksums
+            mine = f"rank {self.comm.rank}: checksumming its replicated tensors failed: {describe(e)}"
+        gathered = self.comm.all_gather(mine)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            return InvalidStateError("; ".join(failed))
+        problem = replicas.disagreements(self._shared, gathered)
+        return InvalidStateError(problem) if problem is not None else None
 
     def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
         manifest = None
@@ -424,6 +450,18 @@ class Saver:
         if not pending.overlap:
             pending.stage_s = time.perf_counter() - staging.t0
         return pending
+
+    def staged_stats(self, pending: PendingSave) -> SaveStats:
+        """What is known of an asynchronous save when ``save()`` returns (write and commit still to come)."""
+        p = pending.prepared
+        return SaveStats(
+            step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
+            stall_s=pending.stall_s, wait_s=pending.t_start - p.t0, plan_s=p.t_plan - pending.t_start,
+            stage_s=pending.stage_s, write_s=None, commit_s=None, total_s=None,
+            bytes_written=sum(f.size for f in p.plan.files_of(self.comm.rank)),
+            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            overlap=pending.overlap, chunks=pending.chunks, staging_bytes=pending.staging_bytes,
+        )
 
     def complete(self, pending: PendingSave, result: JobResult) -> SaveStats:
         """Stats of a finished asynchronous save, or its error."""

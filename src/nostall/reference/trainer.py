@@ -230,7 +230,7 @@ class Trainer:
         )
         stall = time.perf_counter() - t0
         rec = {"step": self.step, "stall_s": stall, "async": self.cfg.async_save if async_save is None else async_save}
-        if handle.stats is not None:
+        if handle.stats is not None and handle.stats.total_s is not None:
             rec["total_s"] = handle.stats.total_s
         self._handles.append((rec, handle))
         self.result.saves.append(rec)
