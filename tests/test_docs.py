@@ -1,0 +1,142 @@
+"""Every fenced code block of README.md and docs/*.md runs, or says why not.
+
+How blocks are marked and run: tests/docs_runner.py. Each file runs in its
+own process, in a fresh working directory.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests import docs_runner
+from tests.docs_runner import REPO, Block, classify, parse, problems, sh_commands
+
+FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+FILE_TIMEOUT_S = 240  # a hang guard for one file, not a speed check
+
+
+def run_doc(path: str, workdir: str) -> dict:
+    result_path = os.path.join(workdir, ".docs-result.json")
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    try:
+        p = subprocess.run([sys.executable, "-m", "tests.docs_runner", path, workdir, result_path], cwd=REPO,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=FILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        out = e.output.decode() if isinstance(e.output, bytes) else (e.output or "")
+        pytest.fail(f"{path}: its blocks did not finish within {FILE_TIMEOUT_S}s\n--- output ---\n{out[-6000:]}")
+    try:
+        with open(result_path) as f:
+            result = json.load(f)
+    except (OSError, ValueError):
+        pytest.fail(f"{path}: the runner exited with {p.returncode} without a result\n--- output ---\n"
+                    f"{p.stdout[-6000:]}")
+    result["output"] = p.stdout
+    result["returncode"] = p.returncode
+    return result
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_every_block_runs_or_says_why_not(name):
+    assert not problems(parse(os.path.join(REPO, name))), "\n".join(problems(parse(os.path.join(REPO, name))))
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_blocks_run(name, tmp_path):
+    path = os.path.join(REPO, name)
+    blocks = parse(path)
+    if not docs_runner.runnable(blocks):
+        pytest.skip(f"{name}: no runnable block (each one is marked, see the test above)")
+    result = run_doc(path, str(tmp_path))
+    failure = result["failure"]
+    if failure is not None:
+        pytest.fail(f"{name}:{failure['line']}: block failed\n{failure['error']}\n"
+                    f"--- output of the file's blocks ---\n{result['output'][-6000:]}", pytrace=False)
+    want = [b.code_line for b in blocks if classify(b)[0] in ("python", "ranks", "sh")]
+    assert result["ran"] == want
+    assert result["returncode"] == 0, result["output"][-6000:]
+
+
+# --------------------------------------------------------------------------- the runner itself
+
+SAMPLE = '''# sample
+
+```python
+x = 1
+```
+
+<!-- setup: y = 41 -->
+```python
+z = x + y + 1
+print("z", z)
+```
+
+```text
+just text
+```
+
+```sh norun: needs a cluster
+torchrun --nnodes 2 train.py
+```
+
+<!-- setup:
+import os
+os.makedirs("made", exist_ok=True)
+-->
+```sh
+nostall --help
+```
+
+```python
+assert z == 43
+raise ValueError("boom")
+```
+'''
+
+
+def test_runner_classifies_and_reports_the_failing_line(tmp_path):
+    doc = tmp_path / "sample.md"
+    doc.write_text(SAMPLE)
+    blocks = parse(str(doc))
+    assert [classify(b)[0] for b in blocks] == ["python", "python", "skip", "skip", "sh", "python"]
+    assert blocks[1].setup == "y = 41\n" and blocks[4].setup.startswith("import os")
+    assert sh_commands(blocks[4]) == [(blocks[4].code_line, "nostall --help")]
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_doc(str(doc), str(work))
+    assert result["ran"] == [b.code_line for b in blocks[:2]] + [blocks[4].code_line]
+    assert result["failure"]["line"] == blocks[5].code_line
+    assert "ValueError: boom" in result["failure"]["error"]
+    assert f'File "{doc}", line {blocks[5].code_line + 1}' in result["failure"]["error"]
+    assert "z 43" in result["output"] and (work / "made").is_dir()
+
+
+def test_runner_refuses_unmarked_blocks(tmp_path):
+    doc = tmp_path / "bad.md"
+    doc.write_text("```\nplain\n```\n\n```json\n{}\n```\n\n```sh\nmake test\n```\n\n```sh norun:\nx\n```\n")
+    found = problems(parse(str(doc)))
+    assert len(found) == 4, found
+    assert [classify(b)[0] for b in parse(str(doc))] == ["error"] * 4
+
+
+def test_runner_runs_a_ranks_block(tmp_path):
+    doc = tmp_path / "ranks.md"
+    doc.write_text("```python ranks=2\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+                   "dist.all_reduce(t)\nassert t.item() == 2 and dist.get_world_size() == 2\n"
+                   "open(f'rank{dist.get_rank()}', 'w').close()\n```\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_doc(str(doc), str(work))
+    assert result["failure"] is None, result
+    assert sorted(os.listdir(work)) == [".docs-result.json", "rank0", "rank1"]
+
+
+def test_block_dataclass_where():
+    b = Block(os.path.join(REPO, "README.md"), 10, "python", "x\n")
+    assert b.where() == "README.md:11" and b.lang == "python"
