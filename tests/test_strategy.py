@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import nostall
-from nostall.integrations import ParallelLayout, Strategy, init_optimizer_state, mark_tensor_parallel, model_state
+from nostall.integrations import ParallelLayout, Strategy, mark_tensor_parallel, model_state
 
 
 def _setup(seed=0):
@@ -78,15 +78,6 @@ def test_load_from_a_checkpoint_directory_and_by_step(tmp_path):
             s.load_checkpoint(str(tmp_path), model, step=7)
 
 
-def test_init_optimizer_state_changes_no_parameter():
-    model, opt, _ = _setup()
-    before = [p.detach().clone() for p in model.parameters()]
-    init_optimizer_state(opt)
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert len(opt.state) == len(before) and opt.param_groups[0]["lr"] == 0.01
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_errors_name_what_is_wrong(tmp_path):
     model, opt, sched = _setup()
     with Strategy() as s:
@@ -96,12 +87,15 @@ def test_errors_name_what_is_wrong(tmp_path):
         stray = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1)
         with pytest.raises(nostall.InvalidStateError, match="not in the model"):
             s.save_checkpoint(str(tmp_path), 1, model, stray)
-        # optimizer state whose sharding cannot be derived from its parameter
+        # optimizer state of a tensor-parallel parameter whose sharding cannot be derived from it
+        # (a replicated parameter's state of any shape is replicated too)
         _train(model, opt, sched, 1)
         opt.state[model[0].weight]["odd"] = torch.zeros(5)
+        mark_tensor_parallel(model[0].weight, 0)
         with pytest.raises(nostall.InvalidStateError, match="'odd' of parameter '0.weight'"):
             s.save_checkpoint(str(tmp_path), 1, model, opt)
         del opt.state[model[0].weight]["odd"]
+        del model[0].weight.tensor_model_parallel
         s.save_checkpoint(str(tmp_path), 1, model, opt)  # no scheduler
         with pytest.raises(nostall.CheckpointLoadError, match="no scheduler state"):
             s.load_checkpoint(str(tmp_path), model, opt, sched)

@@ -241,9 +241,9 @@ class Training:
         """The nostall state of the objects as they are now."""
         out: Dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = self._model_leaves()
+            out["model"] = self.model_leaves()
         if self.optimizer is not None:
-            out["optimizer"] = self._optimizer_leaves()
+            out["optimizer"] = self.optimizer_leaves()
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
         if self.rng:
@@ -260,7 +260,8 @@ class Training:
             return []
         return [f"model/{escape_component(n)}" for n, _ in self.model.named_buffers()]
 
-    def _model_leaves(self) -> Dict[str, Any]:
+    def model_leaves(self) -> Dict[str, Any]:
+        """The model's parameters and persistent buffers as nostall leaves, keyed like ``state_dict()``."""
         assert self.model is not None
         out: Dict[str, Any] = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
@@ -290,7 +291,9 @@ class Training:
             groups.append(items)
         return groups
 
-    def _optimizer_leaves(self) -> Dict[str, Any]:
+    def optimizer_leaves(self) -> Dict[str, Any]:
+        """The optimizer's state keyed by parameter name and split like the parameters, and its
+        ``param_groups`` as JSON with each group's parameters listed by name."""
         assert self.optimizer is not None
         state: Dict[str, Any] = {}
         groups: List[Dict[str, Any]] = []
@@ -331,7 +334,7 @@ class Training:
         """The load template for checkpoint ``m`` (tensors to fill; None where a JSON value is restored)."""
         out: Dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = self._model_leaves()
+            out["model"] = self.model_leaves()
         if self.optimizer is not None:
             if not any(k.startswith("optimizer/") for k in list(m.tensors) + list(m.objects)):
                 raise CheckpointLoadError(f"{path}: the checkpoint holds no optimizer state (it was saved without "

@@ -88,7 +88,7 @@ class Worker:
         )
         return {"rank": self.rank, "step": step, "committed": handle.done()}
 
-    def load_checkpoint(self, ckpt_dir: str, step: Optional[int] = None) -> int:
+    def load_checkpoint(self, ckpt_dir: str, step: Optional[int] = None) -> Optional[int]:
         loaded: LoadedCheckpoint = self.strategy.load_checkpoint(
             ckpt_dir, self.model, self.optimizer, self.scheduler, step=step
         )
