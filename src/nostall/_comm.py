@@ -312,6 +312,25 @@ def _default_store() -> Any:
         return None
 
 
+def check_launch() -> None:
+    """Refuse a multi-rank launch (``WORLD_SIZE`` > 1) whose ranks never formed a process group.
+
+    torchrun and like launchers set ``WORLD_SIZE``; without
+    ``init_process_group`` each rank would save (or load) as if alone: the
+    checkpoint would hold one rank's pieces, a load would give every rank
+    rank 0's values.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    launched = os.environ.get("WORLD_SIZE", "1")
+    if launched.isdigit() and int(launched) > 1:
+        raise CheckpointError(
+            f"WORLD_SIZE={launched} (RANK={os.environ.get('RANK', '?')}): this is a multi-rank launch, but "
+            "torch.distributed is not initialised; call torch.distributed.init_process_group() on every "
+            "rank before creating a CheckpointManager or calling nostall.save/load"
+        )
+
+
 def make_comm(process_group: Optional[Any], timeout: float, own_group: bool) -> Comm:
     """The Comm for ``process_group`` (None: the default group, if initialised).
 
@@ -323,15 +342,7 @@ def make_comm(process_group: Optional[Any], timeout: float, own_group: bool) -> 
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise CheckpointError("process_group given but torch.distributed is not initialised")
-        launched = os.environ.get("WORLD_SIZE", "1")
-        if launched.isdigit() and int(launched) > 1:
-            # torchrun (or a like launcher) started several ranks, but they never formed a group:
-            # each would save alone and the checkpoint would hold one rank's pieces
-            raise CheckpointError(
-                f"WORLD_SIZE={launched} (RANK={os.environ.get('RANK', '?')}): this is a multi-rank launch, but "
-                "torch.distributed is not initialised; call torch.distributed.init_process_group() on every "
-                "rank before creating a CheckpointManager or calling nostall.save/load"
-            )
+        check_launch()
         return Comm()
     group = process_group if process_group is not None else dist.group.WORLD
     if not own_group and dist.get_backend(group) == "gloo":

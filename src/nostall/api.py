@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ._comm import make_comm
+from ._comm import check_launch, make_comm
 from .format import DEFAULT_BLOCK_SIZE
 from .handles import SaveStats
 from .jobs import Destination
@@ -46,6 +46,7 @@ def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
     does. Each rank fetches only the byte ranges its template needs, and
     verifies them.
     """
+    check_launch()
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
