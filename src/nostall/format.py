@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
@@ -195,6 +195,9 @@ class TensorRecord:
     shape: Shape
     sharded: bool
     pieces: Tuple[PieceRecord, ...]
+    tied_to: str = ""
+    """Non-empty: this key holds the very data of global tensor ``tied_to`` (tied weights, saved once);
+    ``pieces`` are that tensor's pieces. Optional in the manifest (absent: not tied)."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,7 @@ class Manifest:
                 except KeyError:
                     raise ValueError(f"no checksums reported for key {t.key!r} in {p.file} at {p.start}") from None
                 pieces.append(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, c))
-            return TensorRecord(t.key, t.dtype, t.shape, t.sharded, tuple(pieces))
+            return replace(t, pieces=tuple(pieces))
 
         return Manifest(
             step=self.step,
@@ -268,7 +271,7 @@ class Manifest:
 
         def move(t: TensorRecord) -> TensorRecord:
             pieces = tuple(PieceRecord(p.offset, p.shape, name(p.file), p.start, p.end, p.crc32c) for p in t.pieces)
-            return TensorRecord(t.key, t.dtype, t.shape, t.sharded, pieces)
+            return replace(t, pieces=pieces)
 
         return Manifest(
             step=self.step,
@@ -377,10 +380,46 @@ class Manifest:
             problem = cover_problem(t.shape, [(p.offset, p.shape) for p in t.pieces])
             if problem:
                 raise CheckpointCorruptError(f"{path}: key {t.key!r}: {problem}")
+        for r in self.per_rank:
+            for t in r.tensors.values():
+                if t.tied_to:
+                    raise CheckpointCorruptError(
+                        f"{path}: per-rank key {t.key!r} says it is tied to {t.tied_to!r}, but only global tensors "
+                        "may be tied; the manifest is damaged: restore it or load another checkpoint"
+                    )
+        for t in self.tensors.values():
+            if t.tied_to:
+                self._check_tie(t, path)
+
+    def _check_tie(self, t: TensorRecord, path: str) -> None:
+        """A tied key must name an untied global tensor of the same dtype, shape and sharding whose pieces are
+        exactly its own (same boxes, byte ranges and checksums)."""
+        a = self.tensors.get(t.tied_to)
+        why = ""
+        if a is None:
+            why = "there is no such global tensor"
+        elif a.key == t.key:
+            why = "a key cannot be tied to itself"
+        elif a.tied_to:
+            why = f"that key is itself tied to {a.tied_to!r}"
+        elif (a.dtype, a.shape, a.sharded) != (t.dtype, t.shape, t.sharded):
+            why = (f"that key is {a.dtype} {list(a.shape)} sharded={a.sharded}, this one {t.dtype} {list(t.shape)} "
+                   f"sharded={t.sharded}")
+        elif _piece_set(a) != _piece_set(t):
+            why = "their pieces differ (a tied key must list exactly the pieces of the key it is tied to)"
+        if why:
+            raise CheckpointCorruptError(
+                f"{path}: key {t.key!r} is tied to {t.tied_to!r}, but {why}; the manifest is damaged: restore it "
+                "or load another checkpoint"
+            )
+
+
+def _piece_set(t: TensorRecord) -> List[Tuple[Any, ...]]:
+    return sorted((p.offset, p.shape, p.file, p.start, p.end, p.crc32c) for p in t.pieces)
 
 
 def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
-    return {
+    doc: Dict[str, Any] = {
         "dtype": t.dtype,
         "shape": list(t.shape),
         "sharded": t.sharded,
@@ -395,6 +434,9 @@ def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
             for p in t.pieces
         ],
     }
+    if t.tied_to:
+        doc["tied_to"] = t.tied_to  # only when tied: an untied tensor's entry is as before this field existed
+    return doc
 
 
 def _obj(x: Any, what: str) -> Dict[str, Any]:
@@ -453,7 +495,11 @@ def _tensor_rec(key: str, t: Any) -> TensorRecord:
     sharded = t["sharded"]
     if not isinstance(sharded, bool):
         raise TypeError(f"{key!r}: sharded must be a boolean, not {_json_type(sharded)}")
-    return TensorRecord(key, code, _ints(t["shape"], f"{key}: shape"), sharded, tuple(pieces))
+    tied_to = t.get("tied_to", "")
+    if not isinstance(tied_to, str) or ("tied_to" in t and not tied_to):
+        what = "an empty string" if tied_to == "" else _json_type(tied_to)
+        raise TypeError(f"{key!r}: tied_to must be a non-empty string (a key), not {what}")
+    return TensorRecord(key, code, _ints(t["shape"], f"{key}: shape"), sharded, tuple(pieces), tied_to)
 
 
 def data_file_name(rank: int) -> str:

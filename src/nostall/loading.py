@@ -203,6 +203,24 @@ def _plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[_Re
         out.append(_Read(rec, p, lo, box, view))
 
 
+def _unique_reads(reads: List[_Read]) -> List[_Read]:
+    """``reads`` without repeats: a read of the same saved bytes into the same memory as an earlier one.
+
+    A tied model (one Parameter under two keys) saved with tied keys gives two reads per piece that
+    are the same read; one is enough.
+    """
+    seen = set()
+    out = []
+    for r in reads:
+        d, p = r.dest, r.piece
+        ident = (str(d.device), d.dtype, d.data_ptr(), tuple(d.shape), tuple(d.stride()),
+                 p.file, p.start, p.end, p.crc32c, r.box_off, r.box_shape)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(r)
+    return out
+
+
 def _writable(addr: int) -> bool:
     """Whether the byte at ``addr`` may be written, found without risking a crash.
 
@@ -335,6 +353,7 @@ def load_state(
         return walk_value(pr.value, inner)
 
     restored = walk(template, visit)
+    reads = _unique_reads(reads)
     files = _open_files(path, m, storage_options, timeout)
     try:
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
@@ -384,9 +403,13 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     m = read_manifest(path, storage_options)
     files = _open_files(path, m, storage_options)
     pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
-    for rec in list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]:
+    seen = set()
+    recs = list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]
+    for rec in sorted(recs, key=lambda t: bool(t.tied_to)):  # a tied key's pieces are its target's: checked once
         for p in rec.pieces:
-            pieces.setdefault(p.file, []).append((rec, p))
+            if (p.file, p.start, p.end, p.crc32c) not in seen:
+                seen.add((p.file, p.start, p.end, p.crc32c))
+                pieces.setdefault(p.file, []).append((rec, p))
     problems: List[str] = []
     total = 0
     try:

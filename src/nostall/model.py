@@ -179,6 +179,7 @@ class LocalTensor:
     global_offset: Shape
     sharded: bool  # False: a replicated plain tensor (the whole tensor)
     main: bool  # this rank holds the main copy (replica_id == 0)
+    tied_to: str = ""  # key of an earlier leaf whose data is this very memory (same box): saved once, as that key
 
 
 @dataclass
@@ -310,9 +311,37 @@ def check_tensor_leaf(t: torch.Tensor, key: str) -> None:
         )
 
 
+def _memory_identity(lt: LocalTensor) -> Optional[Tuple[Any, ...]]:
+    """What makes two tensor leaves the same saved data: the exact local memory (storage, offset, shape,
+    strides, dtype, device) and the same global box. None for leaves never tied (empty, or storage unknown)."""
+    d = lt.data
+    if d.numel() == 0:
+        return None  # nothing to store; empty tensors often share a null pointer without being related
+    try:
+        ptr = d.untyped_storage().data_ptr()
+    except Exception:  # a tensor subclass without an inspectable storage: never tied
+        return None
+    return (str(d.device), d.dtype, ptr, d.storage_offset(), tuple(d.shape), tuple(d.stride()),
+            lt.global_shape, lt.global_offset, lt.sharded, lt.main)
+
+
 def flatten(state: Any) -> FlatState:
-    """Flatten a state into its leaves, validating leaf types."""
+    """Flatten a state into its leaves, validating leaf types.
+
+    A tensor leaf whose local data is exactly the memory of an earlier leaf (tied weights: one
+    Parameter under two state-dict keys) with the same global box is marked ``tied_to`` the first
+    such key (visit order); the planner then saves it once. PerRank tensors are never tied.
+    """
     flat = FlatState()
+    first_of: Dict[Tuple[Any, ...], str] = {}
+
+    def tie(lt: LocalTensor) -> LocalTensor:
+        ident = _memory_identity(lt)
+        if ident is not None:
+            first = first_of.setdefault(ident, lt.key)
+            if first != lt.key:
+                lt.tied_to = first
+        return lt
 
     def visit(kind: str, key: str, v: Any) -> Any:
         flat._claim(key)
@@ -321,12 +350,12 @@ def flatten(state: Any) -> FlatState:
             if st is None:
                 t: torch.Tensor = v
                 check_tensor_leaf(t, key)
-                flat.tensors[key] = LocalTensor(key, t, tuple(t.shape), (0,) * t.dim(), False, True)
+                flat.tensors[key] = tie(LocalTensor(key, t, tuple(t.shape), (0,) * t.dim(), False, True))
             else:
                 check_tensor_leaf(st.data, key)
-                flat.tensors[key] = LocalTensor(
+                flat.tensors[key] = tie(LocalTensor(
                     key, st.data, tuple(st.global_shape), tuple(st.global_offset), True, st.is_main_replica
-                )
+                ))
         elif kind == "object":
             check_json(v, key)
             flat.objects[key] = to_json(v)

@@ -11,7 +11,10 @@ Rules:
 * exactly one holder writes each distinct piece: pieces with one holder go to
   it, the rest are assigned largest first to the holder with the fewest bytes
   so far (deterministic);
-* per-rank tensors are written by their own rank.
+* per-rank tensors are written by their own rank;
+* a key whose every holder ties it to another key (the same memory, see
+  ``model.flatten``) is written once, as that key: its pieces are the other
+  key's pieces.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class TensorMeta:
     shape: Shape
     sharded: bool
     main: bool
+    tied_to: str = ""  # this rank's leaf is the very memory of leaf ``tied_to`` (model.flatten)
 
 
 @dataclass(frozen=True)
@@ -61,7 +65,8 @@ def local_meta(flat: FlatState) -> RankMeta:
         if code is None:
             raise InvalidStateError(f"key {t.key!r}: dtype {t.data.dtype} is not supported")
         tensors.append(
-            TensorMeta(t.key, code, t.global_shape, t.global_offset, tuple(t.data.shape), t.sharded, t.main)
+            TensorMeta(t.key, code, t.global_shape, t.global_offset, tuple(t.data.shape), t.sharded, t.main,
+                       t.tied_to)
         )
     per_rank = []
     for k, v in flat.per_rank_tensors.items():
@@ -92,6 +97,7 @@ class TensorPlan:
     shape: Shape
     sharded: bool
     pieces: Tuple[PiecePlan, ...]
+    tied_to: str = ""  # saved once, as this key: ``pieces`` are that key's pieces
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,7 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
     if clash:
         raise InvalidStateError(f"key {clash[0]!r} is a PerRank value on some ranks and a tensor on others")
 
+    tied = _ties(by_key)
     # (key, offset, shape, dtype, holders) for every distinct piece
     pieces: List[Tuple[str, Shape, Shape, str, List[int]]] = []
     headers: Dict[str, Tuple[str, Shape, bool]] = {}
@@ -187,6 +194,8 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
             problem = cover_problem(t0.global_shape, list(boxes))
             if problem:
                 raise InvalidStateError(f"key {key!r}: {problem}")
+        if key in tied:
+            continue  # validated like any tensor, but stored as the key it is tied to
         for (off, shp), held in sorted(boxes.items()):
             pieces.append((key, off, shp, t0.dtype, sorted(r for r, _ in held)))
 
@@ -252,7 +261,8 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
         w = placed[(r, key, False, off)]
         grouped.setdefault(key, []).append(PiecePlan(off, shp, r, w.file, w.start, w.end))
     for key, (dtype, gshape, sharded) in headers.items():
-        tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped.get(key, ())))
+        a = tied.get(key, "")
+        tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped.get(a or key, ())), a)
     per_rank: List[Dict[str, TensorPlan]] = []
     for r, m in enumerate(metas):
         d = {}
@@ -267,6 +277,28 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
         files=files,
         signatures=tuple(m.signature() for m in metas),
     )
+
+
+def _ties(by_key: Dict[str, List[Tuple[int, TensorMeta]]]) -> Dict[str, str]:
+    """Keys saved as another key (tied weights): ``{B: A}``.
+
+    B is tied to A only when every rank holding B says so, A is a tensor key no rank marks as tied,
+    A and B agree in dtype, shape and sharding, and every holder of B holds A with the same box.
+    Anything else (ranks disagreeing, say) leaves B an ordinary tensor. Computed from the gathered
+    metadata alone, so every rank gets the same answer.
+    """
+    tied: Dict[str, str] = {}
+    for key, entries in by_key.items():
+        a = entries[0][1].tied_to
+        if not a or a == key or a not in by_key or any(t.tied_to != a for _, t in entries):
+            continue
+        a_entries = by_key[a]
+        if any(t.tied_to for _, t in a_entries):
+            continue
+        held = {(r, t.dtype, t.global_shape, t.offset, t.shape, t.sharded, t.main) for r, t in a_entries}
+        if all((r, t.dtype, t.global_shape, t.offset, t.shape, t.sharded, t.main) in held for r, t in entries):
+            tied[key] = a
+    return tied
 
 
 def check_objects(objects: Sequence[Dict[str, Any]]) -> Dict[str, Any]:

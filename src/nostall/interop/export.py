@@ -15,6 +15,14 @@ saved pieces cover it -- whatever the saved sharding -- and written in place.
 Checksums are verified on every byte read. JSON values and per-rank values are
 not exported (neither format has a place for them).
 
+Tied keys (saved once, see ``tied_to`` in docs/format.md) are exported once
+when the key they are tied to is exported too. In safetensors, as Hugging
+Face does for tied weights, the tied name is left out of the files (and out
+of the index) and the model re-ties it on load; as ``safetensors.torch.save_model``
+does, the file holding the kept tensor records ``{tied name: kept name}`` in
+its ``__metadata__``. In ``torch.save`` format both names refer to one
+storage, as ``torch.save`` of a tied ``state_dict`` gives.
+
 A failed export leaves the destination as it found it: every file is written
 under a temporary name of its own (``.<name>.<random>.partial``) and renamed
 into place only once all of them are complete, and on any failure the files
@@ -70,11 +78,12 @@ class ExportReport:
     tensors: int
     bytes: int
     names: Dict[str, str] = field(default_factory=dict)  # output name -> checkpoint key
+    tied: Dict[str, str] = field(default_factory=dict)  # tied output name -> the output name holding its data
     peak_buffer_bytes: int = 0  # the most buffer memory held at once (estimate, see export())
     memory_limit: int = 0
 
     def to_json(self) -> Dict[str, Any]:
-        return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes,
+        return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes, "tied": self.tied,
                 "peak_buffer_bytes": self.peak_buffer_bytes, "memory_limit": self.memory_limit}
 
 
@@ -314,14 +323,22 @@ def export(
             raise CheckpointLoadError(f"no tensor of {src} matches {list(keys)}")
         items: List[_Item] = []
         seen: Dict[str, str] = {}
+        out_name: Dict[str, str] = {}
+        chosen_set = set(chosen)
+        tied_keys: List[str] = []
         for k in chosen:
             rec = m.tensors[k]
             name = _output_name(k, strip_prefix, separator)
             if name in seen:
                 raise CheckpointSaveError(f"keys {seen[name]!r} and {k!r} both export as {name!r}")
             seen[name] = k
+            out_name[k] = name
+            if rec.tied_to and rec.tied_to in chosen_set:
+                tied_keys.append(k)  # its data is exported once, under the name of the key it is tied to
+                continue
             sd = torch_dtype(rec.dtype)
             items.append(_Item(name, k, rec, sd, _out_dtype(sd, dtype)))
+        tied = {out_name[k]: out_name[m.tensors[k].tied_to] for k in tied_keys}
         total = sum(i.nbytes for i in items)
         prog = Progress(f"export {src} -> {dst}", total, progress)
         streamer = _Streamer(source, memory_limit, prog)
@@ -330,15 +347,15 @@ def export(
         created = _Created()
         try:
             if to == "safetensors":
-                files = _export_safetensors(items, dst, max_shard_size, overwrite, streamer, created)
+                files = _export_safetensors(items, tied, dst, max_shard_size, overwrite, streamer, created)
             else:
-                files = [_export_torch(items, dst, overwrite, streamer, created)]
+                files = [_export_torch(items, tied, dst, overwrite, streamer, created)]
         except BaseException:
             created.undo()  # exactly what this export created, nothing else
             raise
         prog.finish()
         return ExportReport(files=files, tensors=len(items), bytes=total, names={i.name: i.key for i in items},
-                            peak_buffer_bytes=streamer.peak, memory_limit=memory_limit)
+                            tied=tied, peak_buffer_bytes=streamer.peak, memory_limit=memory_limit)
     finally:
         source.close()
 
@@ -367,10 +384,11 @@ def _prepare_dir(dst: str, overwrite: bool, created: _Created) -> None:
     created.makedirs(dst)
 
 
-def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: bool, streamer: _Streamer,
-                        created: _Created) -> List[str]:
+def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_size: int, overwrite: bool,
+                        streamer: _Streamer, created: _Created) -> List[str]:
     """Every file is written under a temporary name; all are renamed into place (the index
-    last) only once every one is complete."""
+    last) only once every one is complete. ``tied`` names (tied name -> kept name) are
+    left out; the file holding a kept name records the tie in its metadata."""
     _prepare_dir(dst, overwrite, created)
     groups = _shards(items, max_size)
     n = len(groups)
@@ -384,7 +402,12 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
             if code is None:
                 raise CheckpointSaveError(f"key {it.key!r}: dtype {it.out_dtype} has no safetensors code")
             entries.append(FileEntry(it.name, code, tuple(it.rec.shape), it.nbytes))
-        header, where, size = layout_file(entries, {"format": "pt"})
+        metadata = {"format": "pt"}
+        in_file = {it.name for it in group}
+        for gone, kept in sorted(tied.items()):
+            if kept in in_file:
+                metadata.setdefault(gone, kept)  # as safetensors.torch.save_model records a dropped shared name
+        header, where, size = layout_file(entries, metadata)
         path = os.path.join(dst, fname)
         tmp = created.temp_for(path)
         with open(tmp, "r+b") as f:
@@ -424,11 +447,13 @@ def _export_safetensors(items: List[_Item], dst: str, max_size: int, overwrite: 
 # --------------------------------------------------------------------------- torch.save
 
 
-def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Streamer, created: _Created) -> str:
+def _export_torch(items: List[_Item], tied: Dict[str, str], dst: str, overwrite: bool, streamer: _Streamer,
+                  created: _Created) -> str:
     """One torch.save file written without holding the tensors: ``torch.save`` lays the
     file out from shapes only (``torch.serialization.skip_data``: storages are
     allocated but never touched, so they take address space, not memory), then each
-    tensor's bytes are streamed to its record, and the zip CRCs are filled in."""
+    tensor's bytes are streamed to its record, and the zip CRCs are filled in. A ``tied``
+    name is the very tensor of its kept name, so the file holds that storage once."""
     if os.path.isdir(dst):
         raise CheckpointSaveError(f"{dst} is a directory; --to torch writes one file")
     if os.path.exists(dst) and not overwrite:
@@ -437,12 +462,14 @@ def _export_torch(items: List[_Item], dst: str, overwrite: bool, streamer: _Stre
     created.makedirs(os.path.dirname(dst_abs))
     tmp = created.temp_for(dst_abs)
     layout = {it.name: torch.empty(tuple(it.rec.shape), dtype=it.out_dtype) for it in items}
+    for gone, kept in sorted(tied.items()):  # after every kept name: the storage numbering below is unchanged
+        layout[gone] = layout[kept]
     with torch.serialization.skip_data():
         torch.save(layout, tmp)
     del layout
     reader = torch._C.PyTorchFileReader(tmp)
     offsets = {}
-    for i, it in enumerate(items):  # storages are numbered in pickling order: the dict's order
+    for i, it in enumerate(items):  # storages are numbered in pickling order (the dict's order), each once
         # get_record_offset exists at runtime but is missing from torch's type stubs (torch/_C/__init__.pyi)
         offsets[it.name] = (f"data/{i}", reader.get_record_offset(f"data/{i}"))  # type: ignore[attr-defined]
     del reader
