@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import os
 import platform
 import shutil
@@ -208,6 +209,50 @@ class _TrainLoop:
         return times
 
 
+def _say(cfg: Dict[str, Any], rank: int, text: str) -> None:
+    """A progress line on stderr (rank 0 only, when the launcher asked for them)."""
+    if rank == 0 and cfg.get("progress"):
+        print(f"[bench] {text}", file=sys.stderr, flush=True)
+
+
+def _dcp_subprocess_quietly(*args: Any, **kwargs: Any) -> Any:
+    """DCP's process executor's background process (see :func:`_quiet_dcp_process`), with its
+    root logger at WARNING once DCP has set it up."""
+    import logging
+
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    setup = ape._init_logger
+
+    def quiet(rank: int) -> None:
+        setup(rank)
+        logging.getLogger().setLevel(logging.WARNING)
+
+    ape._init_logger = quiet  # type: ignore[assignment]
+    return ape._AsyncCheckpointProcess._checkpointing_subprocess(*args, **kwargs)
+
+
+def _quiet_dcp_process() -> None:
+    """Keep DCP's INFO lines off the bench's stderr.
+
+    ``dcp.async_save`` with the process executor spawns a background process
+    that sets the *root* logger to INFO with its own stderr handler and logs
+    every request (about two dozen lines per run). That process runs torch's
+    ``_AsyncCheckpointProcess._checkpointing_subprocess``; it is given
+    :func:`_dcp_subprocess_quietly` instead, which runs the same code with the
+    level raised to WARNING (warnings and errors still show). Private torch
+    API: when it is not there, nothing is changed.
+    """
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as ape
+    except ImportError:
+        return
+    cls = getattr(ape, "_AsyncCheckpointProcess", None)
+    if cls is None or not hasattr(cls, "_checkpointing_subprocess") or not hasattr(ape, "_init_logger"):
+        return
+    cls._checkpointing_subprocess = staticmethod(_dcp_subprocess_quietly)
+
+
 # --------------------------------------------------------------------------- one rank
 
 
@@ -219,6 +264,9 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
 
     import nostall
 
+    for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.logging_handlers"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    _quiet_dcp_process()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=1800))
     try:
@@ -378,6 +426,8 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             dist.barrier()
             stall, commit = run(system, rep)
             dist.barrier()
+            what = "first run (reported apart)" if rep == 0 else f"rep {rep}/{reps}"
+            _say(cfg, rank, f"{system} {what}: stall {stall * 1e3:.1f} ms, until durable {commit * 1e3:.1f} ms")
             r = res[system]
             if rep == 0:
                 r["first_save"] = {"stall_s": stall, "commit_s": commit}
@@ -406,6 +456,7 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
         for name, fn in targets.items():
             if (name == "nostall" and mgr_sync is None) or (name == "dcp" and "dcp_sync" not in systems):
                 continue
+            _say(cfg, rank, f"loading from {name} ({max(1, reps)} x same layout, resharded)")
             loads[name] = {"same_layout_s": [], "resharded_s": []}
             for _ in range(max(1, reps)):
                 for kind, make in (("same_layout_s", _zero_template), ("resharded_s", _full_template)):
@@ -430,6 +481,7 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             loop.step()
         baselines = []
         for system in [s for s in systems if s in ASYNC]:
+            _say(cfg, rank, f"training steps while {system} writes")
             dist.barrier()  # the baseline right before, under the same conditions
             base = statistics.median([loop.step() for _ in range(30)])
             baselines.append(base)
@@ -485,11 +537,13 @@ def _free_port() -> int:
 
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
               train: bool = True, timeout: float = 1800.0, remote: Optional[str] = None,
-              storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0) -> Dict[str, Any]:
+              storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0,
+              progress: bool = False) -> Dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md).
 
     ``remote``: a URL under which ``nostall_async_remote`` saves (in a fresh
-    ``bench-<id>`` prefix, removed afterwards).
+    ``bench-<id>`` prefix, removed afterwards). ``progress``: a line on stderr
+    per system and repetition (``[bench] nostall_async rep 2/3: stall ...``).
     """
     import torch
     import torch.multiprocessing as mp
@@ -502,7 +556,11 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
         systems = list(systems) + [REMOTE]
     run_id = f"bench-{os.getpid()}-{int(time.time())}"
     cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train, "remote": remote,
-           "storage_options": storage_options, "run_id": run_id, "compute_ms": compute_ms}
+           "storage_options": storage_options, "run_id": run_id, "compute_ms": compute_ms,
+           "progress": progress}
+    if progress:
+        print(f"[bench] starting {ranks} ranks x {mb} MiB, {reps} repetition(s) after a first save of each of "
+              f"{', '.join(list(LIMITS) + list(systems))}", file=sys.stderr, flush=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
@@ -641,28 +699,44 @@ def _remove_remote(url: str, storage_options: Optional[Dict[str, Any]]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="nostall bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--mb-per-rank", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions after a first (reported apart) save")
-    ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    from .cli import storage_options_arg
+
+    ap = argparse.ArgumentParser(prog="nostall bench",
+                                 description="Benchmark nostall side by side with PyTorch DCP, torch.save and the "
+                                             "machine's limits (a copy and a sequential write of the same bytes). "
+                                             "Progress goes to stderr, the table to stdout.")
+    ap.add_argument("--ranks", type=int, default=2, metavar="N",
+                    help="processes (gloo ranks on this machine), each saving its shard of the state "
+                         "(default: %(default)s)")
+    ap.add_argument("--mb-per-rank", type=int, default=512, metavar="MIB",
+                    help="MiB of training state per rank: sharded parameters plus two optimizer moments each "
+                         "(default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=3, metavar="N",
+                    help="timed repetitions after a first (reported apart) save (default: %(default)s)")
+    ap.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
+                    help="comma-separated subset of %(default)s (default: all); the copy and write limits always run")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")
-    ap.add_argument("--json", default=None, help="write every figure to this file")
-    ap.add_argument("--plot", default=None, help="draw stall and time-to-durable per system (PNG)")
+    ap.add_argument("--json", default=None, help="write every figure to this file (default: none)")
+    ap.add_argument("--plot", default=None, help="draw stall and time-to-durable per system (PNG; default: none)")
     ap.add_argument("--no-load", action="store_true", help="skip the load measurements")
     ap.add_argument("--no-train", action="store_true", help="skip the training-interference measurement")
-    ap.add_argument("--compute-ms", type=float, default=200.0,
-                    help="nostall_overlap: forward/backward time between save() and the optimizer step")
-    ap.add_argument("--remote", default=None, help="also save to this object-storage URL (nostall_async_remote)")
-    ap.add_argument("--storage-options", default=None, help="fsspec options for --remote, as JSON")
+    ap.add_argument("--compute-ms", type=float, default=200.0, metavar="MS",
+                    help="nostall_overlap: forward/backward time between save() and the optimizer step "
+                         "(default: %(default)s)")
+    ap.add_argument("--remote", default=None,
+                    help="also save to this object-storage URL (nostall_async_remote; default: none)")
+    ap.add_argument("--storage-options", type=storage_options_arg, default=None, metavar="JSON",
+                    help="fsspec options for --remote, as a JSON object")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress lines on stderr (default: one per system and repetition)")
     args = ap.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
-    so = json.loads(args.storage_options) if args.storage_options else None
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
-                    train=not args.no_train, remote=args.remote, storage_options=so, compute_ms=args.compute_ms)
+                    train=not args.no_train, remote=args.remote, storage_options=args.storage_options,
+                    compute_ms=args.compute_ms, progress=not args.quiet)
     print(format_table(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -2,9 +2,12 @@
 
 ``inspect PATH`` shows what a checkpoint holds, ``verify PATH`` re-reads every
 byte, ``ls ROOT`` lists a run root's committed steps, ``convert SRC DST``
-imports DCP checkpoints and exports safetensors / torch.save files (see
-docs/interop.md), ``bench`` compares against DCP. ``--json`` gives
-machine-readable output.
+imports DCP checkpoints and exports safetensors / torch.save files, ``bench``
+compares against DCP. ``--json`` gives machine-readable output. A path may also
+be a run root's ``latest`` file: the checkpoint it names.
+
+Errors are one line on stderr (``nostall CMD: FAILED: ...``) and exit status 1;
+usage errors exit 2; ``NOSTALL_DEBUG=1`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -16,17 +19,35 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Dict, List, Optional
 
-from . import remote, roots
-from .errors import CheckpointError
+from . import __version__, remote, roots
+from .errors import CheckpointError, CheckpointNotFoundError
 from .format import Manifest
 from .loading import check_checkpoint, read_manifest
 
 
+def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optional[str]:
+    """The run root when ``path`` is that root's ``latest`` pointer (a file), else None."""
+    if remote.is_remote(path):
+        url = str(path).rstrip("/")
+        parent, _, base = url.rpartition("/")
+        if base != roots.LATEST or parent.endswith(":/"):
+            return None
+        fs, key = remote.filesystem(url, so)
+        return parent if fs.isfile(key) else None
+    full = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(full)
+    if os.path.basename(full) == roots.LATEST and os.path.isfile(full) and os.path.isdir(parent):
+        return parent
+    return None
+
+
 def _resolve(path: str, so: Optional[Dict[str, Any]] = None) -> str:
-    """A checkpoint directory (or URL), or a manager root: then the checkpoint its ``load()`` would use."""
-    root, name, _ = roots.resolve(path, storage_options=so)
+    """A checkpoint directory (or URL), a manager root, or a root's ``latest`` file: then the
+    checkpoint its ``load()`` would use."""
+    root, name, _ = roots.resolve(_latest_file_root(path, so) or path, storage_options=so)
     return root.path(name)
 
 
@@ -64,7 +85,10 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
 
 def _print_summary(s: Dict[str, Any]) -> None:
     print(f"checkpoint  {s['path']}")
-    print(f"step        {s['step']}")
+    if s["step"] is None:  # nostall.save and `nostall convert --from dcp` record no step
+        print("step        none recorded (a one-shot save or an imported checkpoint)")
+    else:
+        print(f"step        {s['step']}")
     print(f"world size  {s['world_size']}  (format version {s['format_version']})")
     print(f"data        {len(s['files'])} file(s), {_human(s['total_bytes'])}")
     for f in s["files"]:
@@ -82,8 +106,19 @@ def _print_summary(s: Dict[str, Any]) -> None:
         print(f"per rank    {', '.join(keys)}  (x {len(pr)} ranks)")
 
 
+def storage_options_arg(text: str) -> Dict[str, Any]:
+    """``--storage-options``: a JSON object; anything else is a usage error (exit 2) naming the option."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
+
+
 def _options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
-    return json.loads(args.storage_options) if args.storage_options else None
+    return args.storage_options or None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -135,18 +170,33 @@ def _entry(root: roots.Root, name: str, step: Optional[int], so: Optional[Dict[s
     return e
 
 
+def _check_remote_root(url: str, so: Optional[Dict[str, Any]]) -> None:
+    """Object storage has no directories: a root with nothing under it (or no bucket) is missing."""
+    fs, key = remote.filesystem(url, so)
+    key = key.rstrip("/")
+    if fs.exists(key):
+        return
+    bucket = key.split("/", 1)[0]
+    if bucket and bucket != key and not fs.exists(bucket):
+        raise CheckpointNotFoundError(f"{url}: no such bucket {bucket!r} (or no access to it)")
+    raise CheckpointNotFoundError(f"{url}: nothing there (no object under this prefix)")
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     so = _options(args)
-    root = roots.open_root(args.root, storage_options=so)
+    where = _latest_file_root(args.root, so) or args.root
+    root = roots.open_root(where, storage_options=so)
     steps = root.steps()
     latest = root.latest_step()
     entries = [_entry(root, roots.step_name(s), s, so, latest) for s in steps]
     if not steps:
-        parent, name = roots.split_checkpoint(args.root, so)
+        parent, name = roots.split_checkpoint(where, so)
         if parent.is_checkpoint(name):  # a one-shot checkpoint directory: list it alone
             entries = [_entry(parent, name, None, so, None)]
-        elif not remote.is_remote(args.root) and not os.path.isdir(args.root):
-            raise CheckpointError(f"{args.root}: no such directory")
+        elif remote.is_remote(where):
+            _check_remote_root(where, so)
+        elif not os.path.isdir(where):
+            raise CheckpointError(f"{where}: no such directory")
     out = {"root": root.url, "latest": latest,
            "checkpoints": entries}
     if args.json:
@@ -209,6 +259,12 @@ def _block_size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _keys(given: Optional[List[str]]) -> Optional[List[str]]:
+    """``--keys a,b --keys c``: every comma-separated value of every use; None when not given."""
+    keys = [k.strip() for v in given or [] for k in v.split(",") if k.strip()]
+    return keys or None
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from .interop._common import parse_size
 
@@ -262,7 +318,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
             p = bar("export")
             try:
-                rep = export(src, args.dst, to=dst_kind, keys=args.keys or None, strip_prefix=args.strip_prefix,
+                rep = export(src, args.dst, to=dst_kind, keys=_keys(args.keys), strip_prefix=args.strip_prefix,
                              separator=args.separator, dtype=args.dtype, max_shard_size=parse_size(args.max_shard_size),
                              memory_limit=memory_limit, overwrite=args.overwrite, storage_options=so, progress=p)
             finally:
@@ -293,41 +349,65 @@ def _bench(rest: List[str]) -> int:
     return bench_main(rest)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args_in = sys.argv[1:] if argv is None else list(argv)
-    if args_in[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
-        return _bench(args_in[1:])
+_CONVERT_EPILOG = """\
+examples:
+  nostall convert --from dcp dcp_ckpt/ ns_ckpt/
+      import a PyTorch DCP (or Megatron torch_dist) directory as a nostall checkpoint
+  nostall convert --keys model --strip-prefix model ckpts/run1 hf/
+      export the full tensors under 'model' of the newest checkpoint of run root ckpts/run1
+      as safetensors files (hf/model.safetensors, sharded past --max-shard-size)
+  nostall convert --to torch --keys model/*.weight ckpts/run1/step_100 weights.pt
+      one torch.save file of the selected tensors
+  nostall convert --from dcp --to safetensors dcp_ckpt/ hf/
+      both at once (through a temporary checkpoint next to the destination)
+
+--keys selects by key prefix (model) or glob (model/*.weight); give several
+comma-separated (--keys model,optim) or repeat the option. Keys are the state's
+nested dict keys joined with '/'; exported names join them with --separator.
+DCP's .metadata file is a pickle: import only checkpoints you trust.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nostall",
-                                description="Inspect, verify, list, convert and benchmark nostall checkpoints.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+                                description="Inspect, verify, list, convert and benchmark nostall checkpoints.",
+                                epilog="A checkpoint path may be a checkpoint directory or URL, a run root (its "
+                                       "newest checkpoint) or a run root's 'latest' file. Run 'nostall COMMAND -h' "
+                                       "for a command's options.")
+    p.add_argument("--version", action="version", version=f"nostall {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
+    so_help = "object storage: fsspec options as a JSON object, e.g. '{\"client_kwargs\": {\"endpoint_url\": ...}}'"
+    ck_help = "checkpoint directory or URL, a run root (its newest checkpoint), or a run root's 'latest' file"
     pi = sub.add_parser("inspect", help="show what a checkpoint holds")
-    pi.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
+    pi.add_argument("path", help=ck_help)
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pi.set_defaults(fn=cmd_inspect)
-    so_help = "object storage: fsspec options as JSON, e.g. '{\"client_kwargs\": {\"endpoint_url\": ...}}'"
-    pi.add_argument("--storage-options", default=None, help=so_help)
+    pi.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pv = sub.add_parser("verify", help="re-read every byte and check every checksum")
-    pv.add_argument("path", help="checkpoint directory, or a run root (its newest checkpoint)")
+    pv.add_argument("path", help=ck_help)
     pv.add_argument("--json", action="store_true", help="machine-readable output (exit status 1 if damaged)")
     pv.set_defaults(fn=cmd_verify)
-    pv.add_argument("--storage-options", default=None, help=so_help)
+    pv.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pl = sub.add_parser("ls", help="list the committed checkpoints of a run root: steps, sizes, dates")
     pl.add_argument("root", help="run root (directory or URL)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
-    pl.add_argument("--storage-options", default=None, help=so_help)
+    pl.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pl.set_defaults(fn=cmd_ls)
     pc = sub.add_parser(
-        "convert", help="import a DCP checkpoint, or export to safetensors / torch.save (see docs/interop.md)",
+        "convert", help="import a DCP checkpoint, or export to safetensors / torch.save",
         description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist) "
                     "directory into the nostall format; --to safetensors / --to torch exports consolidated full "
-                    "tensors with bounded memory.")
+                    "tensors with bounded memory.",
+        epilog=_CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     pc.add_argument("src", help="source: nostall checkpoint (or run root: its newest), or a DCP directory")
     pc.add_argument("dst", help="destination: directory (nostall, safetensors) or file (torch)")
-    pc.add_argument("--from", dest="from_", choices=["nostall", "dcp"], default="nostall", help="source format")
+    pc.add_argument("--from", dest="from_", choices=["nostall", "dcp"], default="nostall",
+                    help="source format (default: nostall)")
     pc.add_argument("--to", choices=["nostall", "safetensors", "torch"], default=None,
                     help="destination format (default: nostall from dcp, safetensors from nostall)")
-    pc.add_argument("--keys", nargs="+", default=None, metavar="KEY",
-                    help="export only these keys: prefixes (model) or globs (model/*.weight)")
+    pc.add_argument("--keys", action="append", default=None, metavar="KEY[,KEY...]",
+                    help="export only these keys: prefixes (model) or globs (model/*.weight); comma-separated, "
+                         "or repeat the option (default: all)")
     pc.add_argument("--strip-prefix", default=None, help="leading key components to drop from exported names")
     pc.add_argument("--separator", default=".", help="joins key components in exported names (default '.')")
     pc.add_argument("--dtype", default=None, help="cast floating-point tensors on export: bf16, fp16, fp32, fp64")
@@ -343,21 +423,72 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="draw a progress bar on stderr (default: when stderr is a terminal)")
     pc.add_argument("--no-progress", dest="progress", action="store_false")
     pc.add_argument("--json", action="store_true", help="machine-readable summary")
-    pc.add_argument("--storage-options", default=None, help=so_help)
+    pc.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pc.set_defaults(fn=cmd_convert)
-    pb = sub.add_parser("bench", help="benchmark against PyTorch DCP, torch.save and the machine's limits",
-                        add_help=False)
+    pb = sub.add_parser("bench", help="benchmark against PyTorch DCP, torch.save and the machine's limits "
+                                      "('nostall bench -h' for its options)", add_help=False)
     pb.add_argument("rest", nargs=argparse.REMAINDER)
     pb.set_defaults(fn=lambda a: _bench(a.rest))
-    args = p.parse_args(argv)
+    return p
+
+
+def _failed(cmd: str, e: BaseException, path: Optional[str], so: Optional[Dict[str, Any]]) -> int:
+    """One line on stderr for an error at the command line's boundary; exit status 1."""
+    if os.environ.get("NOSTALL_DEBUG"):
+        traceback.print_exc()
+    known = isinstance(e, (CheckpointError, OSError, ValueError))
+    msg = str(e).strip() if known else f"{type(e).__name__}: {str(e).strip()}"  # e.g. botocore's NoCredentialsError
+    if not str(e).strip():
+        msg = type(e).__name__
+    if path is not None and remote.is_remote(path) and so is None and not isinstance(e, CheckpointError):
+        msg += " (object storage: pass --storage-options, or set the credentials and endpoint in the environment)"
+    print(f"nostall {cmd}: FAILED: {msg}", file=sys.stderr)
+    return 1
+
+
+def _run(args_in: List[str]) -> int:
+    p = _parser()
+    if not args_in:  # the commands, not just "required: cmd"
+        p.print_help(sys.stderr)
+        return 2
+    args = p.parse_args(args_in)
     try:
         return args.fn(args)
-    except CheckpointError as e:
-        print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as e:
-        print(f"nostall {args.cmd}: FAILED: {e}", file=sys.stderr)
-        return 1
+    except BrokenPipeError:
+        raise
+    except Exception as e:  # the boundary: any library's error is one line (KeyboardInterrupt passes)
+        where = getattr(args, "path", None) or getattr(args, "root", None) or getattr(args, "src", None)
+        return _failed(args.cmd, e, where, getattr(args, "storage_options", None))
+
+
+def _stdout_gone() -> None:
+    """The reader of stdout went away (``nostall inspect --json X | head -1``): send what is left
+    to /dev/null, so that the interpreter's own flush at exit does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # not a real file (captured output)
+        pass
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    try:
+        if args_in[:1] == ["bench"]:  # its own parser: argparse's REMAINDER drops leading options
+            try:
+                rc = _bench(args_in[1:])
+            except BrokenPipeError:
+                raise
+            except Exception as e:
+                return _failed("bench", e, None, None)
+        else:
+            rc = _run(args_in)
+        sys.stdout.flush()  # inside the try: a closed pipe is noticed here, not at exit
+        return rc
+    except BrokenPipeError:
+        _stdout_gone()
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover
