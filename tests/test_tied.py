@@ -396,3 +396,33 @@ def test_two_ranks_tie_only_when_every_holder_agrees(tmp_path, pool2):
         assert pool2.run(_load_two_ranks, root) == [True, True]
         # and into one process (another world size)
         assert _load_two_ranks(0, 1, root)
+
+
+def _dtensor_tied(rank, world, root):
+    """A DTensor under two keys (FSDP2/TP-style tied weight): saved once; loaded into a tied DTensor pair."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    w = torch.arange(VOCAB * DIM, dtype=torch.float32).reshape(VOCAB, DIM) / 3
+    dt = distribute_tensor(w, mesh, [Shard(0)])
+    nostall.save({"emb": dt, "head": dt}, root)
+    fresh = distribute_tensor(torch.zeros(VOCAB, DIM), mesh, [Shard(0)])
+    calls = []
+    real = loading._execute
+    loading._execute = lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1]
+    try:
+        nostall.load({"emb": fresh, "head": fresh}, root)
+    finally:
+        loading._execute = real
+    assert torch.equal(fresh.full_tensor(), w)
+    return sorted(calls)
+
+
+def test_dtensor_tied_saved_once(tmp_path, pool2):
+    root = str(tmp_path / "dt")
+    assert pool2.run(_dtensor_tied, root) == [["emb"], ["emb"]]  # each rank reads its shard once
+    assert _stored_keys(root) == ["emb@0,0", "emb@48,0"]
+    t = manifest(root)["tensors"]
+    assert t["head"]["pieces"] == t["emb"]["pieces"]
+    assert check_checkpoint(root).ok
