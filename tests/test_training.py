@@ -114,10 +114,14 @@ def test_refusals_name_the_fix(tmp_path):
             mgr.load(model=model, optimizer=opt)
         with pytest.raises(nostall.CheckpointLoadError, match="no scheduler state"):
             mgr.load(model=model, scheduler=sched)
-        mgr.save(2, model=model, extra={"t": torch.ones(2), "n": 1})
-        with pytest.raises(nostall.CheckpointLoadError, match="pass extra= a template"):
-            mgr.load(model=model)
-        assert mgr.load(model=model, extra={"t": torch.zeros(2), "n": None}).extra["n"] == 1
+        mgr.save(2, model=model, extra={"t": torch.ones(2), "n": 1, "loader": nostall.PerRank({"pos": 7}),
+                                        "/odd~": nostall.PerRank(torch.arange(3))})
+        got = mgr.load(model=model).extra  # no template needed: everything under extra, as saved
+        assert got["n"] == 1 and got["loader"] == {"pos": 7} and torch.equal(got["t"], torch.ones(2))
+        assert torch.equal(got["/odd~"], torch.arange(3))
+        tmpl = {"t": torch.zeros(2), "n": None, "loader": nostall.PerRank(None),
+                "/odd~": nostall.PerRank(torch.zeros(3, dtype=torch.int64))}
+        assert mgr.load(model=model, extra=tmpl).extra["loader"] == {"pos": 7}
         # a Megatron-style tensor-parallel parameter needs the layout
         mark_tensor_parallel(model[0].weight, 0)
         with pytest.raises(nostall.InvalidStateError, match="layout=nostall.ParallelLayout"):

@@ -353,14 +353,10 @@ class Training:
                 out["rng"] = rng
         if self.extra is not None:
             out["extra"] = self.extra
-        elif "extra" in m.objects:
-            out["extra"] = None
-        elif any(k.startswith("extra/") for k in m.tensors) or any(
-                k == "extra" or k.startswith("extra/") for r in m.per_rank for k in list(r.tensors) + list(r.objects)):
-            raise CheckpointLoadError(
-                f"{path}: the saved extra holds tensors or PerRank values: pass extra= a template of the same "
-                "structure (tensors to fill, PerRank(...) where values are per rank)"
-            )
+        else:
+            extra = _extra_template(m, rank, world_size, path)
+            if extra is not _ABSENT:
+                out["extra"] = extra
         if "layout" in m.objects:
             out["layout"] = None
         return out
@@ -465,6 +461,61 @@ def load_training(training: Training, path: str, *, rank: int, world_size: int, 
     restored = load_state(template, path, rank=rank, world_size=world_size, verify=verify, per_rank=per_rank,
                           manifest=m, storage_options=storage_options, timeout=timeout)
     return training.restore(restored, m, path)
+
+
+_ABSENT = object()
+
+
+def _unescape(component: str) -> str:
+    return component.replace("~1", "/").replace("~0", "~")
+
+
+def _extra_template(m: Manifest, rank: int, world_size: int, path: str) -> Any:
+    """A template for the saved ``extra`` made from the manifest: everything under it, as saved.
+
+    JSON values come back as saved; tensors are loaded whole (a sharded one
+    assembled); this rank's PerRank values unwrapped (they are left out,
+    with a warning, on another world size). Containers that held tensors or
+    PerRank values come back as dicts (a list's items keyed "0", "1", ...);
+    pass ``extra=`` a template to get other types.
+    """
+    if "extra" in m.objects:
+        return None  # one JSON value
+    entries: Dict[str, Any] = {}
+    for key, rec in m.tensors.items():
+        if key.startswith("extra/"):
+            entries[key] = torch.empty(tuple(rec.shape), dtype=torch_dtype(rec.dtype))
+    for key in m.objects:
+        if key.startswith("extra/"):
+            entries[key] = None
+    mine = m.per_rank[rank] if m.world_size == world_size and 0 <= rank < len(m.per_rank) else None
+    skipped = False
+    for r in m.per_rank:
+        for key, rec in r.tensors.items():
+            if key == "extra" or key.startswith("extra/"):
+                if r is mine:
+                    entries[key] = PerRank(torch.empty(tuple(rec.shape), dtype=torch_dtype(rec.dtype)))
+                skipped = skipped or mine is None
+        for key in r.objects:
+            if key == "extra" or key.startswith("extra/"):
+                if r is mine:
+                    entries[key] = PerRank(None)
+                skipped = skipped or mine is None
+    if skipped:
+        log.warning("%s: saved by %d ranks, loaded by %d: the PerRank values of extra are left out", path,
+                    m.world_size, world_size)
+    if "extra" in entries:  # the whole of extra was one PerRank value
+        return entries["extra"]
+    if not entries:
+        return _ABSENT
+    tree: Dict[str, Any] = {}
+    for key, leaf in entries.items():
+        parts = [_unescape(c) for c in key.split("/")[1:]]
+        node = tree
+        for c in parts[:-1]:
+            node = node.setdefault(c, {})
+        node[parts[-1]] = leaf
+    return tree
 
 
 def _like(current: Any, saved: Any) -> Any:
