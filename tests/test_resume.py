@@ -1,0 +1,248 @@
+"""The two-call training API resumes bit-exactly, on real gloo ranks (no mocks).
+
+``mgr.save(step, model=, optimizer=, scheduler=, rng=True, extra=)`` and
+``mgr.load(model=, optimizer=, scheduler=)`` on five setups (one rank, DDP,
+FSDP2 ``fully_shard``, DTensor tensor parallelism, Megatron-style tensor
+parallelism with ``mark_tensor_parallel`` + ``ParallelLayout``): a run
+resumed in fresh processes, from a model initialised differently, a fresh
+optimizer and a fresh scheduler, repeats the uninterrupted run's losses and
+ends with its parameters and optimizer state, bit for bit.
+
+Then two silent-loss regressions of the state-dict approach (each rank's own
+optimizer state under Megatron TP; the objects read afresh at every save),
+and the handle of an asynchronous save (stats at return, done callbacks).
+
+The rank-side code is in tests/resume_helpers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+import pytest
+import torch
+
+import nostall
+from tests import resume_helpers as H
+from tests.dist_harness import run_ranks
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+JOB_TIMEOUT = 300.0  # a bound for a hang, not a performance threshold
+
+
+def _manifest(path: str) -> dict:
+    with open(os.path.join(path, "manifest.json")) as f:
+        return json.load(f)
+
+
+# --------------------------------------------------------------------------- 1. resume == uninterrupted
+
+
+@pytest.mark.parametrize("async_save", MODES)
+@pytest.mark.parametrize("kind", H.KINDS)
+def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind, async_save):
+    """Train 1..6 saving after 2 and 4; resume from 4 in fresh processes: steps 5-6 repeat bit for bit."""
+    world = H.WORLD[kind]
+    root = str(tmp_path / "ckpts")
+    ref = rank_pools.get(world).run(H.reference_job, kind, root, async_save, timeout=JOB_TIMEOUT)
+    # fresh interpreters and a fresh process group; other weights, other RNG seeds, fresh optimizer/scheduler
+    res = run_ranks(world, H.resume_job, kind, root, timeout=JOB_TIMEOUT)
+
+    s = H.RESUME_STEP
+    problems = []
+    for rank in range(world):
+        r, q = ref[rank], res[rank]
+        at = r["saved"][s]
+        tag = f"rank {rank}"
+        if not q["is_loaded_checkpoint"]:
+            problems.append(f"{tag}: load returned a {q['type']}, not a nostall.LoadedCheckpoint")
+        if q["step"] != s:
+            problems.append(f"{tag}: resumed.step={q['step']!r}, want {s} (the latest)")
+        if q["path"] != q["path_for_step"]:
+            problems.append(f"{tag}: resumed.path={q['path']!r}, want {q['path_for_step']!r}")
+        want_extra = {"epoch": s // 3, "loader": rank * 1000 + s}
+        if q["extra"] != want_extra:
+            problems.append(f"{tag}: resumed.extra={q['extra']!r}, want {want_extra!r}")
+        if q["rng_restored"] is not True:
+            problems.append(f"{tag}: resumed.rng_restored={q['rng_restored']!r}")
+        # the fresh model really started elsewhere (else the test would prove nothing)
+        if not H.diff(q["before"], at["params"]):
+            problems.append(f"{tag}: the fresh model already equals the saved one")
+        # right after the load: the state of step s
+        problems += [f"{tag} after load: param {d}" for d in H.diff(q["loaded"]["params"], at["params"])]
+        problems += [f"{tag} after load: optimizer state {d}" for d in H.diff(q["loaded"]["opt"], at["opt"])]
+        if not at["opt"] or len(at["opt"]) != len(at["params"]):
+            problems.append(f"{tag}: the reference's optimizer state holds {sorted(at['opt'])}")
+        for key in ("lrs", "last_lr", "last_epoch"):
+            if q["loaded"][key] != at[key]:
+                problems.append(f"{tag} after load: {key}={q['loaded'][key]!r}, want {at[key]!r}")
+        problems += [f"{tag} after load: param_groups {d}" for d in H.diff(q["loaded"]["groups"], at["groups"])]
+        # steps s+1.. repeat the uninterrupted run
+        want_losses = {k: v for k, v in r["losses"].items() if k > s}
+        if q["losses"] != want_losses:
+            problems.append(f"{tag}: losses after resume {q['losses']} != uninterrupted {want_losses}")
+        problems += [f"{tag} at the end: {d}" for d in H.diff(q["final"], r["final"])]
+    assert not problems, f"{kind} ({'async' if async_save else 'sync'}):\n" + "\n".join(problems)
+
+    # the checkpoint is keyed by the inner module's names (DDP unwrapped: no 'module.' prefix)
+    m = _manifest(res[0]["path"])
+    model_keys = {k[len("model/"):] for k in m["tensors"] if k.startswith("model/")}
+    assert model_keys == set(ref[0]["final"]["params"]), sorted(m["tensors"])
+    assert {"step_2", "step_4"} <= set(os.listdir(root))
+
+
+# --------------------------------------------------------------------------- 2. silent-loss regressions
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_megatron_tp_each_rank_gets_its_own_optimizer_state(tmp_path, pool2, async_save):
+    """Megatron-style TP: every rank's exp_avg / exp_avg_sq come back as that rank saved them.
+
+    With ``optimizer.state_dict()`` saved beside ShardedTensor weights, the
+    per-rank state tensors were plain (\"replicated\") tensors: one rank's copy
+    was written and every rank loaded it.
+    """
+    root = str(tmp_path / "ckpts")
+    step = 2
+    ref = pool2.run(H.reference_job, "megatron_tp", root, async_save, step, (step,), timeout=JOB_TIMEOUT)
+    res = pool2.run(H.resume_job, "megatron_tp", root, None, step, timeout=JOB_TIMEOUT)
+    saved = [ref[r]["saved"][step]["opt"] for r in range(2)]
+    # the ranks' values differ for every TP-split parameter (else the test would prove nothing)
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight"):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert not torch.equal(saved[0][name][k], saved[1][name][k]), (name, k)
+    # and the replicated parameters' state is the same on both ranks
+    for name in ("fc2.bias", "norm.weight", "norm.bias"):
+        assert not H.diff(saved[0][name], saved[1][name]), name
+    for rank in range(2):
+        got = res[rank]["loaded"]["opt"]
+        problems = H.diff(got, saved[rank])
+        other = H.diff(got, saved[1 - rank])
+        assert not problems, f"rank {rank}'s optimizer state after load differs from what it saved:\n" + "\n".join(
+            problems) + ("\n(it equals rank %d's)" % (1 - rank) if not other else "")
+        assert not H.diff(res[rank]["loaded"]["params"], ref[rank]["saved"][step]["params"]), rank
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_each_save_reads_the_objects_afresh(tmp_path, async_save):
+    """Save 1, train and change the learning rate, save 2 with the very same call: each checkpoint holds its step's state."""
+    root = str(tmp_path / "ckpts")
+    H.seed_all(5)
+    s = H.build("single", 0, 1, H.REF_INIT)
+    same_call = dict(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, rng=True)
+    want = {}
+    with nostall.CheckpointManager(root, keep_last=None, async_save=async_save) as mgr:
+        H.train_step(s)
+        mgr.save(1, **same_call)
+        want[1] = H.snapshot(s)
+        H.train_step(s)
+        s.optimizer.param_groups[0]["lr"] = 0.0123  # changed by hand, not by the scheduler
+        s.optimizer.param_groups[1]["weight_decay"] = 0.05
+        mgr.save(2, **same_call)
+        want[2] = H.snapshot(s)
+        H.train_step(s)  # training goes on (async: while step 2 is written)
+    assert want[2]["lrs"][0] == 0.0123 and want[1]["lrs"][0] != 0.0123
+    assert H.diff(want[1]["opt"], want[2]["opt"])  # the state tensors changed between the saves
+    for step in (2, 1):
+        fresh = H.build("single", 0, 1, H.RESUME_INIT)
+        with nostall.CheckpointManager(root) as mgr:
+            resumed = mgr.load(step=step, model=fresh.model, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
+        assert resumed.step == step
+        got = H.snapshot(fresh)
+        problems = H.diff(got, want[step])
+        assert not problems, f"checkpoint {step}:\n" + "\n".join(problems)
+        assert fresh.optimizer.param_groups[0]["lr"] == want[step]["lrs"][0]
+
+
+@pytest.mark.parametrize("async_save", MODES)
+def test_a_save_before_the_first_step_then_after_it(tmp_path, async_save):
+    """Save 0 with a fresh optimizer (no state yet), then 1 with the same call: 1 holds the state created since."""
+    root = str(tmp_path / "ckpts")
+    H.seed_all(6)
+    s = H.build("single", 0, 1, H.REF_INIT)
+    same_call = dict(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler)
+    want = {}
+    with nostall.CheckpointManager(root, keep_last=None, async_save=async_save) as mgr:
+        mgr.save(0, **same_call)
+        want[0] = H.snapshot(s)
+        H.train_step(s)
+        mgr.save(1, **same_call)
+        want[1] = H.snapshot(s)
+    assert not want[0]["opt"] and want[1]["opt"]
+    for step in (1, 0):
+        fresh = H.build("single", 0, 1, H.RESUME_INIT)
+        with nostall.CheckpointManager(root) as mgr:
+            mgr.load(step=step, model=fresh.model, optimizer=fresh.optimizer, scheduler=fresh.scheduler)
+        problems = H.diff(H.snapshot(fresh), want[step])
+        assert not problems, f"checkpoint {step}:\n" + "\n".join(problems)
+
+
+# --------------------------------------------------------------------------- 3. the handle of a save
+
+
+class _CallbackBoom(RuntimeError):
+    pass
+
+
+def test_async_handle_has_stats_at_once_and_runs_done_callbacks_once(tmp_path, caplog):
+    root = str(tmp_path / "ckpts")
+    H.seed_all(7)
+    s = H.build("single", 0, 1, H.REF_INIT)
+    H.train_step(s)
+    objects = dict(model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, rng=True)
+    calls = []
+    fired = threading.Event()
+
+    def on_done(h):
+        # what the callback sees: the save is over and committed
+        calls.append((h, h.done(), h.exception(), os.path.isfile(os.path.join(h.path, "manifest.json"))))
+        fired.set()
+
+    def boom(h):
+        raise _CallbackBoom(f"callback of step {h.step}")
+
+    with caplog.at_level(logging.DEBUG, logger="nostall"):
+        with nostall.CheckpointManager(root, keep_last=3, async_save=True) as mgr:
+            h = mgr.save(1, **objects)
+            st = h.stats  # before result(): known since save() returned
+            assert st is not None, "handle.stats is None right after an async save"
+            assert isinstance(st.stall_s, float) and st.stall_s > 0, st
+            h.add_done_callback(boom)  # raises: logged, nothing else
+            h.add_done_callback(on_done)
+            # nothing else is called: the handle learns the outcome by itself
+            assert fired.wait(JOB_TIMEOUT), "the done callback did not run within the bound"
+            final = h.result()
+            assert final.stall_s == st.stall_s  # the stall was known at return and stays what it was
+            assert len(calls) == 1 and calls[0] == (h, True, None, True), calls
+            # on a handle that is done: at once, in the calling thread
+            late = []
+            h.add_done_callback(lambda x: late.append((x, threading.current_thread())))
+            assert late == [(h, threading.current_thread())]
+            # the raising callback broke nothing: the manager saves and loads on
+            s.optimizer.param_groups[0]["lr"] = 0.0321
+            H.train_step(s)
+            h2 = mgr.save(2, **objects)
+            h2.result()
+            fresh = H.build("single", 0, 1, H.RESUME_INIT)
+            assert mgr.load(model=fresh.model, optimizer=fresh.optimizer, scheduler=fresh.scheduler).step == 2
+            assert not H.diff(H.snapshot(fresh)["params"], H.snapshot(s)["params"])
+            assert mgr.steps() == [1, 2]
+    assert len(calls) == 1 and len(late) == 1  # exactly once, whatever came after
+    logged = [r for r in caplog.records if r.exc_info and isinstance(r.exc_info[1], _CallbackBoom)]
+    assert len(logged) == 1, [r.getMessage() for r in caplog.records]
+    assert logged[0].levelno >= logging.WARNING
+
+
+def test_sync_handle_is_done_and_runs_a_callback_at_once(tmp_path):
+    H.seed_all(8)
+    s = H.build("single", 0, 1, H.REF_INIT)
+    H.train_step(s)
+    with nostall.CheckpointManager(str(tmp_path / "ckpts"), async_save=False) as mgr:
+        h = mgr.save(1, model=s.model, optimizer=s.optimizer)
+        assert h.done() and h.stats is not None and h.stats.stall_s > 0
+        seen = []
+        h.add_done_callback(seen.append)
+        assert seen == [h]
