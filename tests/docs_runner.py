@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -243,11 +244,31 @@ def _run_python(block: Block, ns: Dict[str, Any]) -> None:
             raise BlockFailed(block, block.code_line, f"{what} failed:\n{traceback.format_exc()}") from None
 
 
+_SHELL_OPS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>&1"}
+
+
 def _run_sh(block: Block, workdir: str) -> None:
+    """Each command of the block, in order. A plain ``nostall ARGS`` line calls the console script's
+    entry point (``nostall.cli:main``) in this process, which has torch imported already; a line
+    with shell syntax (pipes, redirections) goes through bash with this venv's ``nostall``."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     for line, command in sh_commands(block):
         print(f"$ {command}", flush=True)
+        argv = shlex.split(command, comments=True)
+        if not _SHELL_OPS.intersection(argv) and not any("$" in a or "*" in a for a in argv):
+            from nostall.cli import main
+
+            try:
+                rc = main(argv[1:])
+            except SystemExit as e:
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:
+                raise BlockFailed(block, line, f"`{command}` raised:\n{traceback.format_exc()}") from None
+            sys.stdout.flush()
+            if rc != 0:
+                raise BlockFailed(block, line, f"`{command}` exited with {rc} (its output is above)")
+            continue
         try:
             p = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=workdir, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=SH_TIMEOUT_S)
