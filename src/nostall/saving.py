@@ -521,7 +521,7 @@ def manifest_skeleton(
 
     def record(tp: TensorPlan) -> TensorRecord:
         pieces = tuple(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, ()) for p in tp.pieces)
-        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces)
+        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces, tp.tied_to)
 
     return Manifest(
         step=step,
