@@ -356,7 +356,7 @@ examples:
   nostall convert --keys model --strip-prefix model ckpts/run1 hf/
       export the full tensors under 'model' of the newest checkpoint of run root ckpts/run1
       as safetensors files (hf/model.safetensors, sharded past --max-shard-size)
-  nostall convert --to torch --keys model/*.weight ckpts/run1/step_100 weights.pt
+  nostall convert --to torch --keys 'model/*.weight' ckpts/run1/step_100 weights.pt
       one torch.save file of the selected tensors
   nostall convert --from dcp --to safetensors dcp_ckpt/ hf/
       both at once (through a temporary checkpoint next to the destination)
@@ -395,9 +395,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_ls)
     pc = sub.add_parser(
         "convert", help="import a DCP checkpoint, or export to safetensors / torch.save",
-        description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist) "
-                    "directory into the nostall format; --to safetensors / --to torch exports consolidated full "
-                    "tensors with bounded memory.",
+        description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist)\n"
+                    "directory into the nostall format; --to safetensors / --to torch exports consolidated\n"
+                    "full tensors with bounded memory.",
         epilog=_CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     pc.add_argument("src", help="source: nostall checkpoint (or run root: its newest), or a DCP directory")
     pc.add_argument("dst", help="destination: directory (nostall, safetensors) or file (torch)")
