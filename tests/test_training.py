@@ -139,3 +139,19 @@ def test_a_multi_rank_launch_without_a_process_group_is_refused(tmp_path, monkey
         nostall.save({"w": torch.ones(1)}, str(tmp_path / "c"))
     with pytest.raises(nostall.CheckpointError, match="init_process_group"):
         nostall.load({"w": torch.ones(1)}, str(tmp_path / "c"))
+
+
+def test_errors_for_a_run_root_given_as_a_checkpoint_and_an_empty_optimizer_template(tmp_path):
+    from nostall.loading import read_manifest
+
+    root = str(tmp_path / "run")
+    model, opt, sched = _objects()
+    _train(model, opt, sched, 1)
+    with nostall.CheckpointManager(root) as mgr:
+        mgr.save(2, {"w": torch.ones(2)})
+        mgr.save(4, {"optim": opt.state_dict()})
+        fresh = torch.optim.AdamW(_objects(seed=2)[0].parameters())
+        with pytest.raises(nostall.CheckpointLoadError, match="holds tensors under it.*load\\(model=..., optimizer=...\\)"):
+            mgr.load({"optim": fresh.state_dict()})
+    with pytest.raises(nostall.CheckpointNotFoundError, match=r"is a run root \(committed steps: 2, 4\).*step_4"):
+        read_manifest(root)

@@ -47,9 +47,7 @@ def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -
         try:
             raw = remote.read_small(mpath, MAX_MANIFEST_BYTES, storage_options)
         except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(
-                f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
-            ) from None
+            raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options)) from None
         return Manifest.from_json_bytes(raw, mpath)
     if not os.path.isdir(path):
         raise CheckpointNotFoundError(f"no checkpoint at {path}")
@@ -57,12 +55,29 @@ def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -
     try:
         raw = storage.read_whole(mpath, MAX_MANIFEST_BYTES)
     except FileNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
-        ) from None
+        raise CheckpointNotFoundError(_not_a_checkpoint(path)) from None
     except OSError as e:
         raise CheckpointLoadError(f"{mpath}: cannot read the manifest: {e}") from None
     return Manifest.from_json_bytes(raw, mpath)
+
+
+def _not_a_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> str:
+    """Why ``path`` (no manifest) cannot be loaded: a run root (then what to pass), or not a checkpoint."""
+    from .roots import open_root
+
+    try:
+        root = open_root(path, storage_options=storage_options)
+        steps = root.steps()
+        latest = root.latest_step()
+    except Exception:  # only a better message is at stake
+        steps, latest = [], None
+    if steps:
+        shown = ", ".join(str(s) for s in steps[-5:])
+        return (f"{path} is a run root (committed steps: {'..., ' if len(steps) > 5 else ''}{shown}), not a "
+                f"checkpoint: pass {path.rstrip('/')}/step_{latest} (its latest), or load the run root with "
+                "nostall.load(state, root) or CheckpointManager(root).load(...), which use its latest; "
+                "`nostall ls` lists the steps")
+    return f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
 
 
 @dataclass
@@ -319,12 +334,14 @@ def load_state(
         if kind == "object":
             if key not in m.objects:
                 under = [k for k in m.tensors if k.startswith(key + "/")] if key else []
-                hint = (
-                    f"; the checkpoint holds tensors under it (e.g. {under[0]!r}): give the template the same "
-                    "structure (for an optimizer, create its state before loading, e.g. zeros or one step)"
-                    if under else ""
-                )
-                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}{hint}")
+                if under:
+                    raise CheckpointLoadError(
+                        f"key {key!r}: the checkpoint at {path} holds tensors under it (e.g. {under[0]!r}) but the "
+                        f"template has a {type(v).__name__} value there: give the template the same structure. "
+                        "An optimizer's state_dict() is empty until its first step: load a model and optimizer "
+                        "with load(model=..., optimizer=...), which needs no preparation"
+                    )
+                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
             return m.objects[key]
         return _restore_per_rank(key, v)
 
