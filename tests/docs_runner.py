@@ -23,8 +23,9 @@ is an error: every block either runs or says why not.
 Hidden setup: ``<!-- setup: CODE -->`` right before a fence is python run
 first, in the block's namespace (for a ranks block, on every rank). It sees
 ``_docs``, whose ``s3(bucket)`` starts a local S3-compatible server (moto,
-tests/s3_server.py) for the file, creates the bucket, puts test credentials
-in the environment and returns the endpoint URL.
+tests/s3_server.py; the test session's server when the test passes its URL in
+NOSTALL_DOCS_S3_URL), creates the bucket, puts test credentials in the
+environment and returns the endpoint URL.
 
 Each file runs in its own process (``python -m tests.docs_runner FILE RESULT``),
 so a block's global state, threads, managers and process groups do not leak
@@ -205,17 +206,29 @@ class _DocsHelpers:
         self._buckets: set = set()
 
     def s3(self, bucket: str = "bucket") -> str:
-        """Start (once) a local S3-compatible server, create ``bucket``; returns the endpoint URL."""
-        if self._s3 is None:
-            from tests.s3_server import S3Server
+        """A local S3-compatible server with ``bucket`` in it; returns the endpoint URL.
 
-            self._s3 = S3Server()
-            os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                              AWS_DEFAULT_REGION="us-east-1")
+        The server is the test session's (``NOSTALL_DOCS_S3_URL``, from the ``s3`` fixture) when there is
+        one, else one started for this file (tests/s3_server.py).
+        """
+        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
+        url = os.environ.get("NOSTALL_DOCS_S3_URL")
+        if url is None:
+            if self._s3 is None:
+                from tests.s3_server import S3Server
+
+                self._s3 = S3Server()
+            url = self._s3.url
         if bucket not in self._buckets:
-            self._s3.make_bucket(bucket)
+            import boto3
+
+            client = boto3.client("s3", endpoint_url=url, region_name="us-east-1")
+            try:
+                client.create_bucket(Bucket=bucket)
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                pass
             self._buckets.add(bucket)
-        return self._s3.url
+        return url
 
     def close(self) -> None:
         if self._s3 is not None:
