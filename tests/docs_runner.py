@@ -14,6 +14,9 @@ any Markdown renderer; the rest is read here):
     ```sh                run its ``nostall ...`` command lines (the CLI), in order with
                          the python blocks, in the same working directory, so they see
                          the checkpoints those made. Every command line must be one.
+                         A plain one calls the console script's entry point
+                         (nostall.cli:main) in the file's process; one with shell
+                         syntax runs in bash. A nonzero exit fails the block.
     ```text              an output sample, a directory tree, a schema: not code.
     ```LANG norun: why   not run, for the reason given (a reason is required).
 
@@ -286,7 +289,8 @@ def _run_sh(block: Block, workdir: str) -> None:
             p = subprocess.run(["bash", "-c", "set -o pipefail; " + command], cwd=workdir, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=SH_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
-            raise BlockFailed(block, line, f"`{command}` did not finish within {SH_TIMEOUT_S:g}s:\n{e.output or ''}")
+            raise BlockFailed(block, line,
+                              f"`{command}` did not finish within {SH_TIMEOUT_S:g}s:\n{e.output or ''}") from None
         print(p.stdout, end="", flush=True)
         if p.returncode != 0:
             raise BlockFailed(block, line, f"`{command}` exited with {p.returncode}:\n{p.stdout}")
@@ -314,7 +318,7 @@ def _run_ranks(block: Block, n: int, workdir: str) -> None:
         errors: Dict[int, str] = {}
         while any(p.poll() is None for _, _, p in procs):
             now = time.monotonic()
-            for r, _, p in procs:
+            for _, _, p in procs:
                 if p.poll() not in (None, 0) and failed_at is None:
                     failed_at = now
             if now > deadline or (failed_at is not None and now > failed_at + FAILED_RANK_GRACE_S):
