@@ -474,6 +474,13 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
                     pass
             loads["read_floor"]["same_layout_s"].append(time.perf_counter() - t0)
 
+    # ---- the replica check (check_replicas): what a first save, or one whose plan changed, pays for it
+    replica_check: Dict[str, Any] = {}
+    if "nostall_sync" in systems:
+        replica_check = _time_replica_check(state, rank, world, max(1, reps), dist)
+        _say(cfg, rank, f"replica check: {_med(replica_check['check_s']) * 1e3:.1f} ms over "
+                        f"{replica_check['bytes'] / 2**20:.1f} MiB of replicated tensors")
+
     # ---- training-side cost of a background save
     training: Dict[str, Any] = {}
     if cfg["train"]:
@@ -523,7 +530,31 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             dcp_proc_stager.close()
         except Exception:
             pass
-    return {"bytes": nbytes, "systems": res, "loads": loads, "training": training}
+    return {"bytes": nbytes, "systems": res, "loads": loads, "training": training, "replica_check": replica_check}
+
+
+def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int, dist: Any) -> Dict[str, Any]:
+    """Time the check a save runs with check_replicas (checksum this rank's copies, gather, compare)."""
+    from . import replicas
+    from .model import flatten
+    from .planning import local_meta
+
+    flat = flatten(state)
+    metas: List[Any] = [None] * world
+    dist.all_gather_object(metas, local_meta(flat))
+    shared = replicas.shared_keys(metas)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        mine = replicas.digests(flat, shared, rank)
+        gathered: List[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        assert replicas.disagreements(shared, gathered) is None
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(flat.tensors[k].data.numel() * flat.tensors[k].data.element_size() for k, rs in shared.items()
+                 if rank in rs)
+    return {"check_s": times, "bytes": nbytes, "keys": len(shared)}
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -602,6 +633,7 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
         "per_rank": {str(k): v["systems"] for k, v in per_rank.items()},
         "loads": r0["loads"],
         "training": r0["training"],
+        "replica_check": r0.get("replica_check", {}),
     }
 
 
@@ -646,6 +678,12 @@ def format_table(out: Dict[str, Any]) -> str:
     if "nostall_sync" in s:
         lines.append(f"  nostall_sync / write floor (until durable) = "
                      f"{_med(s['nostall_sync']['commit_s']) / _med(s['write']['commit_s']):.3f}")
+    rc = out.get("replica_check")
+    if rc and "nostall_sync" in s:
+        check = _med(rc["check_s"])
+        lines.append(f"  replica check (first save, or a changed plan): {check * 1e3:.1f} ms for "
+                     f"{rc['bytes'] / 2**20:.1f} MiB replicated on this rank ({rc['keys']} keys); "
+                     f"/ nostall_sync stall = {check / _med(s['nostall_sync']['stall_s']):.3f}")
     if out["loads"]:
         lines.append("")
         for name, r in out["loads"].items():
