@@ -38,6 +38,16 @@ def _manifest(path: str) -> dict:
         return json.load(f)
 
 
+def _full_shapes(kind: str) -> dict:
+    """The global shapes of the model's tensors (whatever the split over ranks)."""
+    if kind == "megatron_tp":
+        return {"norm.weight": [H.D_IN], "norm.bias": [H.D_IN], "fc1.weight": [H.HIDDEN, H.D_IN],
+                "fc1.bias": [H.HIDDEN], "fc2.weight": [H.D_OUT, H.HIDDEN], "fc2.bias": [H.D_OUT]}
+    last = 3 if kind in ("single", "ddp") else 2  # after the dropout, or not
+    return {"0.weight": [H.HIDDEN, H.D_IN], "0.bias": [H.HIDDEN],
+            f"{last}.weight": [H.D_OUT, H.HIDDEN], f"{last}.bias": [H.D_OUT]}
+
+
 # --------------------------------------------------------------------------- 1. resume == uninterrupted
 
 
@@ -87,10 +97,17 @@ def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind, async_save):
         problems += [f"{tag} at the end: {d}" for d in H.diff(q["final"], r["final"])]
     assert not problems, f"{kind} ({'async' if async_save else 'sync'}):\n" + "\n".join(problems)
 
-    # the checkpoint is keyed by the inner module's names (DDP unwrapped: no 'module.' prefix)
+    # the checkpoint is keyed by the inner module's names (DDP unwrapped: no 'module.' prefix), holds
+    # every tensor at its global shape, and each optimizer state tensor under its parameter's name,
+    # shaped (and so split) like the parameter
     m = _manifest(res[0]["path"])
-    model_keys = {k[len("model/"):] for k in m["tensors"] if k.startswith("model/")}
-    assert model_keys == set(ref[0]["final"]["params"]), sorted(m["tensors"])
+    shapes = {k: v["shape"] for k, v in m["tensors"].items()}
+    model_keys = {k[len("model/"):] for k in shapes if k.startswith("model/")}
+    assert model_keys == set(ref[0]["final"]["params"]), sorted(shapes)
+    assert {k[len("model/"):]: v for k, v in shapes.items() if k.startswith("model/")} == _full_shapes(kind)
+    for name in model_keys:
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert shapes.get(f"optimizer/state/{name}/{k}") == shapes[f"model/{name}"], (name, k, sorted(shapes))
     assert {"step_2", "step_4"} <= set(os.listdir(root))
 
 
@@ -128,7 +145,12 @@ def test_megatron_tp_each_rank_gets_its_own_optimizer_state(tmp_path, pool2, asy
 
 @pytest.mark.parametrize("async_save", MODES)
 def test_each_save_reads_the_objects_afresh(tmp_path, async_save):
-    """Save 1, train and change the learning rate, save 2 with the very same call: each checkpoint holds its step's state."""
+    """Save 1, train and change the learning rate, save 2 with the very same call.
+
+    Each checkpoint holds its own step's learning rate, scheduler and tensors.
+    A state dict built once (``{"optim": optimizer.state_dict(), ...}``)
+    kept step 1's param_groups and scheduler in checkpoint 2.
+    """
     root = str(tmp_path / "ckpts")
     H.seed_all(5)
     s = H.build("single", 0, 1, H.REF_INIT)
@@ -159,7 +181,10 @@ def test_each_save_reads_the_objects_afresh(tmp_path, async_save):
 
 @pytest.mark.parametrize("async_save", MODES)
 def test_a_save_before_the_first_step_then_after_it(tmp_path, async_save):
-    """Save 0 with a fresh optimizer (no state yet), then 1 with the same call: 1 holds the state created since."""
+    """Save 0 with a fresh optimizer (no state yet), then 1 with the same call: 1 holds the state created since.
+
+    Both load into a fresh optimizer: checkpoint 0 with its (empty) state and its param_groups.
+    """
     root = str(tmp_path / "ckpts")
     H.seed_all(6)
     s = H.build("single", 0, 1, H.REF_INIT)
