@@ -336,7 +336,8 @@ class Training:
         if self.model is not None:
             out["model"] = self.model_leaves()
         if self.optimizer is not None:
-            if not any(k.startswith("optimizer/") for k in list(m.tensors) + list(m.objects)):
+            # (an optimizer saved before its first step holds no tensor: one JSON value under "optimizer")
+            if not any(k == "optimizer" or k.startswith("optimizer/") for k in list(m.tensors) + list(m.objects)):
                 raise CheckpointLoadError(f"{path}: the checkpoint holds no optimizer state (it was saved without "
                                           "optimizer=); load without optimizer=, or from a checkpoint that has it")
             out["optimizer"] = {"state": self._state_template(m, path), "param_groups": None}
