@@ -3,6 +3,8 @@ saved once, restored tied, verified once, exported the way Hugging Face stores t
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import struct
@@ -167,6 +169,19 @@ def test_manifest_names_the_key_a_tied_key_is_saved_as(tmp_path):
     t = manifest(path)["tensors"]
     assert t["head.weight"].get("tied_to") == "emb.weight"
     assert "tied_to" not in t["emb.weight"] and "tied_to" not in t["mid.weight"]
+    # nostall inspect shows the tie and counts the bytes once
+    from nostall.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", "--json", path]) == 0
+    rows = {r["key"]: r for r in json.loads(out.getvalue())["tensors"]}
+    assert rows["head.weight"]["tied_to"] == "emb.weight" and rows["head.weight"]["bytes"] == 0
+    assert rows["emb.weight"]["bytes"] > 0 and rows["emb.weight"]["tied_to"] is None
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["inspect", path]) == 0
+    assert "tied to emb.weight" in out.getvalue()
 
 
 # --------------------------------------------------------------------------- the manifest field

@@ -62,12 +62,13 @@ def _human(n: float) -> str:
 def _summary(path: str, m: Manifest) -> Dict[str, Any]:
     tensors = []
     for k, t in sorted(m.tensors.items()):
-        nbytes = sum(p.nbytes for p in t.pieces)
+        # a tied key's bytes are its tie's (stored once): counted there only
+        nbytes = 0 if t.tied_to else sum(p.nbytes for p in t.pieces)
         tensors.append({
             "key": k, "dtype": t.dtype, "shape": list(t.shape), "sharded": t.sharded,
             "pieces": [{"offset": list(p.offset), "shape": list(p.shape), "file": p.file,
                         "byte_range": [p.start, p.end]} for p in t.pieces],
-            "bytes": nbytes,
+            "bytes": nbytes, "tied_to": t.tied_to or None,
         })
     return {
         "path": path,
@@ -97,7 +98,8 @@ def _print_summary(s: Dict[str, Any]) -> None:
     w = max([len(t["key"]) for t in s["tensors"]] + [3])
     for t in s["tensors"]:
         kind = f"{len(t['pieces'])} piece(s)" if t["sharded"] else "replicated"
-        print(f"  {t['key']:<{w}}  {t['dtype']:<5} {str(t['shape']):<20} {kind:<12} {_human(t['bytes']):>10}")
+        size = f"tied to {t['tied_to']}" if t["tied_to"] else f"{_human(t['bytes']):>10}"
+        print(f"  {t['key']:<{w}}  {t['dtype']:<5} {str(t['shape']):<20} {kind:<12} {size}")
     if s["objects"]:
         print(f"objects     {', '.join(s['objects'])}")
     pr = s["per_rank"]
