@@ -59,6 +59,14 @@ def test_keys_and_fresh_optimizer_restore(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
 
 
+def test_prepare_takes_the_training_objects(tmp_path):
+    model, opt, sched = _objects()
+    _train(model, opt, sched, 1)
+    with nostall.CheckpointManager(str(tmp_path), async_save=True) as mgr:
+        mgr.prepare(model=model, optimizer=opt, scheduler=sched)
+        assert mgr.save(1, model=model, optimizer=opt, scheduler=sched).result().plan_cached
+
+
 def test_existing_optimizer_state_is_filled_in_place(tmp_path):
     model, opt, sched = _objects()
     _train(model, opt, sched)

@@ -39,7 +39,7 @@ def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool,
     """The training objects of a save or load call, or None for the state-dict form; refuses a mix."""
     objects = model is not None or optimizer is not None or scheduler is not None or extra is not None
     if state is not None:
-        if objects or layout is not None or (verb == "save" and rng):
+        if objects or layout is not None or (verb != "load" and rng):
             raise TypeError(f"{verb}(): pass either a state or training objects (model=, optimizer=, scheduler=, "
                             "rng=, extra=), not both; put your own values in extra=")
         return None
@@ -268,18 +268,23 @@ class CheckpointManager:
         return list(self._stats)
 
     # ------------------------------------------------------------------ save / load
-    def prepare(self, state: Any) -> None:
-        """Plan ``state`` and allocate the staging area ahead of the first save (collective).
+    def prepare(self, state: Any = None, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
+                rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None) -> None:
+        """Plan a save of ``state`` (or of the training objects, as ``save`` takes them) and allocate
+        the staging area ahead of the first save (collective).
 
-        Optional: the first ``save()`` otherwise does it.
+        Optional: the first ``save()`` otherwise does it. Call it once the
+        state has its final structure (an optimizer's state exists after its
+        first step).
         """
+        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "prepare")
         with self._lock:
             self._check_open(writing=True)
-            plan = self._saver.plan(state)
+            plan = self._saver.plan(training.state(self.world_size) if training is not None else state)
             if self._writer is not None:
-                from .staging import layout
+                from .staging import layout as file_layout
 
-                _, size = layout(plan.files_of(self.rank))
+                _, size = file_layout(plan.files_of(self.rank))
                 budget = self.options.staging_budget_bytes
                 self._writer.ensure_alive()
                 self._writer.area.ensure(min(size, budget or size), cap=budget)

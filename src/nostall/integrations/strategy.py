@@ -188,7 +188,8 @@ class Strategy:
         Optional; call it once training state exists (an optimizer's state is
         created by its first step), with the same structure later saves have.
         """
-        self.manager(ckpt_dir).prepare(self.build_state(model, optimizer, scheduler, extra))
+        self.manager(ckpt_dir).prepare(model=model, optimizer=optimizer, scheduler=scheduler, rng=True, extra=extra,
+                                       layout=self.layout)
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait until every save started by this strategy is committed, or raise its error.
