@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from ._faults import crash_point
 from .errors import CheckpointSaveError, describe
 from .jobs import Crcs, Done, FileJob, JobResult, Outcome, SaveJob
-from . import storage
+from . import side_files, storage
 from .format import block_crcs
 
 log = logging.getLogger("nostall")
@@ -199,7 +199,8 @@ def commit(job: SaveJob, crcs: Crcs) -> None:
     dest, root = job.dest, job.dest.root
     assert job.manifest is not None
     manifest = job.manifest.with_crcs(crcs)
-    root.check_files(dest, {n: f.size for n, f in manifest.files.items()})
+    root.check_files(dest, {**{n: f.size for n, f in manifest.files.items()},
+                            **{n: f.size for n, f in manifest.side_files.items()}})
     if dest.move_latest:
         root.prepare_latest(dest)  # needs space: fails here, before the commit point, on a full disk
     crash_point("commit.ready", dest.step)
@@ -250,9 +251,14 @@ def _decide(job: SaveJob, dones: Dict[int, Done]) -> Outcome:
 
 
 def _after_commit(job: SaveJob) -> None:
-    """Rank 0, once every rank can know the outcome: retention, then the sweep. Never raises."""
+    """Rank 0, once every rank can know the outcome: retention, then the sweep. Never raises.
+
+    Only in a root whose step layout a manager owns (its saves move ``latest``): a one-shot save or
+    a directory its caller names shares its parent with whatever else the caller keeps there (another
+    manager's save in flight, say), so nothing there is deleted.
+    """
     dest, root = job.dest, job.dest.root
-    if dest.step is None:
+    if not dest.move_latest or dest.step is None:
         return
     try:
         for s in steps_to_delete(root.steps(), dest.keep_last, dest.step):
@@ -273,6 +279,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
     dest, root = job.dest, job.dest.root
     res = JobResult(job.save_id, ok=False)
     names = [f.name for f in job.files]
+    side = [n for n, _ in job.side_files]  # rank 0's side files, written with its data files
     try:
         if job.faults.writer_delay_s:
             time.sleep(job.faults.writer_delay_s)
@@ -281,13 +288,14 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
         job.faults.check_write(staging)
         crash_point("write.start", job.step)
         crcs = write(job, staging)
-        res.bytes_written = sum(f.size for f in job.files)
-        root.upload(dest, job.rank, names, deadline)
+        side_files.write(staging, job.side_files)
+        res.bytes_written = sum(f.size for f in job.files) + sum(len(b) for _, b in job.side_files)
+        root.upload(dest, job.rank, names, deadline, side=side)
         mine = Done(True, {(root.data_name(dest, n), s, e): c for (n, s, e), c in crcs.items()})
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
         log.error("%s", mine.error)
-        root.remove_own_files(dest, job.rank, names)  # first: on a full disk, the done record needs the space
+        root.remove_own_files(dest, job.rank, names + side)  # first: on a full disk, the done record needs the space
     res.write_s = time.perf_counter() - t0
     crash_point("write.done", job.step)
     t1 = time.perf_counter()
@@ -320,7 +328,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
     res.ok = outcome.ok
     if not res.ok:
         if mine.ok:  # a failed write already removed its files
-            root.remove_own_files(dest, job.rank, names)
+            root.remove_own_files(dest, job.rank, names + side)
         res.error = outcome.error or "unknown error"
         if not mine.ok and mine.error not in res.error:
             res.error = f"{mine.error}; {res.error}"

@@ -8,8 +8,9 @@ import torch (the background writer process uses it).
 from __future__ import annotations
 
 import json
+import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
@@ -213,6 +214,44 @@ class RankRecord:
     objects: Dict[str, Any]
 
 
+MAX_SIDE_FILE_BYTES = 64 << 20
+"""Largest side file: they are small files (configs, tokenizers) carried in the save job's message."""
+_SIDE_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,254}")
+
+
+def side_file_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot be a side file's name, or None.
+
+    A relative path of at most 8 components of letters, digits and ``_.+=-``,
+    none starting with a dot; not the manifest's name.
+
+    >>> side_file_problem("huggingface/config.json") is None
+    True
+    >>> side_file_problem("../etc/passwd")
+    "a component '..' starts with a dot or holds a character other than letters, digits and _.+=-"
+    """
+    if not isinstance(name, str) or not name:
+        return "it is not a non-empty string"
+    parts = name.split("/")
+    if len(parts) > 8:
+        return "it has more than 8 components"
+    for c in parts:
+        if not _SIDE_COMPONENT.fullmatch(c):
+            return f"a component {c!r} starts with a dot or holds a character other than letters, digits and _.+=-"
+    if name == MANIFEST_NAME:
+        return "it is the manifest's name"
+    return None
+
+
+@dataclass(frozen=True)
+class SideFileRecord:
+    """A small file committed with the checkpoint (a model config, tokenizer files), at ``<checkpoint>/<name>``."""
+
+    name: str
+    size: int
+    crc32c: int
+
+
 @dataclass(frozen=True)
 class Manifest:
     step: Optional[int]
@@ -223,6 +262,7 @@ class Manifest:
     objects: Dict[str, Any]
     per_rank: Tuple[RankRecord, ...]
     version: int = FORMAT_VERSION
+    side_files: Dict[str, SideFileRecord] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- encode
     def to_json_bytes(self) -> bytes:
@@ -240,6 +280,8 @@ class Manifest:
                 for r in self.per_rank
             ],
         }
+        if self.side_files:  # only when there are any: manifests without them stay as they were
+            doc["side_files"] = {f.name: {"size": f.size, "crc32c": f.crc32c} for f in self.side_files.values()}
         return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
     def with_crcs(self, crcs: Mapping[Tuple[str, int, int], Sequence[int]]) -> "Manifest":
@@ -255,15 +297,10 @@ class Manifest:
                 pieces.append(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, c))
             return replace(t, pieces=tuple(pieces))
 
-        return Manifest(
-            step=self.step,
-            world_size=self.world_size,
-            block_size=self.block_size,
-            files=self.files,
+        return replace(
+            self,
             tensors={k: fill(t) for k, t in self.tensors.items()},
-            objects=self.objects,
             per_rank=tuple(RankRecord({k: fill(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
-            version=self.version,
         )
 
     def renamed(self, name: Callable[[str], str]) -> "Manifest":
@@ -273,15 +310,11 @@ class Manifest:
             pieces = tuple(PieceRecord(p.offset, p.shape, name(p.file), p.start, p.end, p.crc32c) for p in t.pieces)
             return replace(t, pieces=pieces)
 
-        return Manifest(
-            step=self.step,
-            world_size=self.world_size,
-            block_size=self.block_size,
+        return replace(
+            self,
             files={name(n): FileRecord(name(n), f.rank, f.size) for n, f in self.files.items()},
             tensors={k: move(t) for k, t in self.tensors.items()},
-            objects=self.objects,
             per_rank=tuple(RankRecord({k: move(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
-            version=self.version,
         )
 
     # ---------------------------------------------------------------- decode
@@ -337,6 +370,14 @@ class Manifest:
                 {k: _tensor_rec(k, t) for k, t in _obj(r["tensors"], f"per_rank[{i}].tensors").items()},
                 _obj(r["objects"], f"per_rank[{i}].objects"),
             ))
+        side = {}
+        for n, f in _obj(doc.get("side_files", {}), "side_files").items():
+            problem = side_file_problem(n) or ("it is also a data file's name" if n in files else None)
+            if problem:
+                raise CheckpointCorruptError(f"{path}: invalid side file name {n!r} ({problem}); the manifest is "
+                                             "damaged: restore it or load another checkpoint")
+            f = _obj(f, f"side_files[{n!r}]")
+            side[n] = SideFileRecord(n, _int(f["size"], "size"), _int(f["crc32c"], "crc32c"))
         m = cls(
             step=None if step is None else _int(step, "step"),
             world_size=world_size,
@@ -346,6 +387,7 @@ class Manifest:
             objects=_obj(doc["objects"], "objects"),
             per_rank=tuple(per_rank),
             version=version,
+            side_files=side,
         )
         m._check(path)
         return m

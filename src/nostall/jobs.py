@@ -101,6 +101,7 @@ class SaveJob:
     manifest: Optional[Manifest] = None
     faults: Faults = field(default_factory=Faults)
     chunked: bool = False  # the files' bytes come chunk by chunk after the job
+    side_files: Tuple[Tuple[str, bytes], ...] = ()  # rank 0: small files committed with the checkpoint
 
     @property
     def step(self) -> Optional[int]:

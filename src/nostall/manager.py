@@ -5,11 +5,12 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import os
 import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
 from ._comm import Comm, make_comm
 from ._faults import Faults
@@ -20,7 +21,7 @@ from .handles import SaveHandle, SaveStats
 from .jobs import Destination
 from .loading import load_state
 from .options import Options
-from .roots import Claim, open_root, step_name
+from .roots import Claim, Root, open_root, resolve, split_checkpoint, step_name
 from .saving import PendingSave, Saver
 from .training import ParallelLayout, Training, load_training
 
@@ -70,7 +71,9 @@ class CheckpointManager:
     names the newest committed one.
 
     Args:
-        root: directory of the run's checkpoints (created if missing).
+        root: directory (or URL) of the run's checkpoints (created if
+            missing). None: no root of the manager's own; every save names its
+            ``path`` (``save(step, ..., path=...)``) and every load too.
         keep_last: keep only this many newest committed checkpoints (None: all).
         process_group: the ranks that save together (default: all ranks).
         async_save: write in a background process per rank: ``save()`` returns
@@ -109,6 +112,17 @@ class CheckpointManager:
             save whose copies differ, naming the key and the ranks. None
             (default): on the first save and whenever the plan changes;
             True: at every save; False: never.
+        on_commit: ``fn(handle)``, called once each save of this manager is
+            committed (durable and visible), and only then: write the
+            trainer's own "latest" marker, delete old checkpoints, upload,
+            notify. Called on every rank (check ``mgr.rank``), in the thread
+            that learns the commit: the caller's, inside a synchronous
+            ``save()`` before it returns; for an asynchronous save a
+            watcher thread of its handle (within about 50 ms of the commit)
+            or the caller of ``result()`` / ``done()`` / the next ``save()``
+            / ``finalize_pending_saves()``. An exception it raises is logged
+            and ignored: the checkpoint is committed regardless. Not called
+            for a failed save.
         options: all of the above as one :class:`~nostall.Options` value
             (shared with ``Strategy``); when given, the keyword arguments
             above are ignored.
@@ -129,7 +143,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        root: str,
+        root: Optional[str],
         *,
         keep_last: Optional[int] = None,
         process_group: Any = None,
@@ -144,6 +158,7 @@ class CheckpointManager:
         overlap: bool = False,
         staging_budget_bytes: Optional[int] = None,
         check_replicas: Optional[bool] = None,
+        on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
         if options is None:
@@ -158,9 +173,13 @@ class CheckpointManager:
         self.options = options
         self.read_only = bool(read_only)
         self._faults = Faults()  # tests arm it; inert otherwise
-        self._root = open_root(root, storage_options=options.storage_options, local_staging=options.local_staging_dir,
-                               timeout=self.options.timeout, faults=self._faults)
-        self.root = self._root.url
+        self._root: Optional[Root] = None
+        if root is not None:
+            self._root = open_root(os.fspath(root), storage_options=options.storage_options,
+                                   local_staging=options.local_staging_dir, timeout=self.options.timeout,
+                                   faults=self._faults)
+        self.root: Optional[str] = self._root.url if self._root is not None else None
+        self._on_commit = on_commit
         self._hooks: List[Any] = []
         self._attached: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers attached by save(optimizer=)
         self._lock = threading.RLock()
@@ -169,14 +188,14 @@ class CheckpointManager:
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._claim: Optional[Claim] = None
-        self._last_records: Optional[str] = None  # save id of the last async save, whose records rank 0 drops
+        self._last_records: Optional[Destination] = None  # the last async save, whose records rank 0 drops
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
         self._sigterm_installed = False
         self._comm: Comm = make_comm(process_group, self.options.timeout, own_group=True)
         try:
             self._saver = Saver(self._comm, self.options, self._faults)
-            if not self.read_only:
+            if not self.read_only and self._root is not None:
                 self._claim_root()
             if self.options.async_save:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
@@ -213,6 +232,7 @@ class CheckpointManager:
 
     def _claim_root(self) -> None:
         """Rank 0 claims the root (or finds why it cannot); every rank raises the same error."""
+        assert self._root is not None
         error: Optional[str] = None
         if self._comm.rank == 0:
             try:
@@ -247,13 +267,19 @@ class CheckpointManager:
         """Process id of this rank's background writer (async mode), else None."""
         return self._writer.pid if self._writer is not None else None
 
+    def _own_root(self, what: str) -> Root:
+        if self._root is None:
+            raise CheckpointError(f"{what}: this CheckpointManager has no root (created with root=None): it saves "
+                                  "to and loads from the paths its caller names (path=)")
+        return self._root
+
     def path_for(self, step: int) -> str:
         """Directory (or URL) of the checkpoint of ``step`` (committed or not)."""
-        return self._root.path(step_name(step))
+        return self._own_root("path_for").path(step_name(step))
 
     def steps(self) -> List[int]:
         """Steps of the committed checkpoints, ascending."""
-        return self._root.steps()
+        return self._own_root("steps").steps()
 
     def latest_step(self) -> Optional[int]:
         """The newest committed step, or None. A pending save is not counted.
@@ -261,7 +287,7 @@ class CheckpointManager:
         Normally the highest step; after resuming from an older step and saving,
         the step saved last (``latest`` names it).
         """
-        return self._root.latest_step()
+        return self._own_root("latest_step").latest_step()
 
     def stats(self) -> List[SaveStats]:
         """Stats of this manager's committed saves, oldest first."""
@@ -292,8 +318,8 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any = None, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
              rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
-             async_save: Optional[bool] = None, overlap: Optional[bool] = None,
-             stage_now: Any = None) -> SaveHandle:
+             path: Any = None, files: Optional[Mapping[str, Any]] = None, async_save: Optional[bool] = None,
+             overlap: Optional[bool] = None, stage_now: Any = None) -> SaveHandle:
         """Save checkpoint ``step``; a collective call over the group.
 
         Either training objects, read as they are now::
@@ -309,6 +335,20 @@ class CheckpointManager:
         PerRank and JSON values::
 
             mgr.save(step, {"model": model.state_dict(), "step": step})
+
+        Where: ``<root>/step_<step>``, moving the root's ``latest`` and
+        applying ``keep_last`` after the commit; or, with ``path``, the
+        directory (or URL) the caller names, e.g. ``<run>/global_step_7/policy``
+        (created atomically, replacing an older nostall checkpoint there;
+        no ``latest``, no retention: the caller owns them, see ``on_commit``).
+        All of a manager's saves share its writer and staging memory, and at
+        most one is in flight, whatever their paths.
+
+        ``files``: small files committed with the checkpoint, at
+        ``<checkpoint>/<name>`` (rank 0's; see :mod:`nostall.side_files`)::
+
+            files={"huggingface/config.json": model.config.to_dict(),
+                   "huggingface": pathlib.Path(tokenizer_dir)}   # a directory: every file in it
 
         Waits first for the previous save of this manager to be committed. A
         synchronous save returns after its commit; an asynchronous one
@@ -348,27 +388,54 @@ class CheckpointManager:
                         self.attach(optimizer)
                     if stage_now is None:
                         stage_now = set(training.buffer_keys()).__contains__
-            dest = Destination(self._root, step_name(step), step, "", move_latest=True,
-                               keep_last=self.options.keep_last)
+            dest = self._destination(step, path)
             if not use_async:
-                stats = self._saver.save(state, dest, t_call)
+                stats = self._saver.save(state, dest, t_call, side=files)
                 self._stats.append(stats)
                 handle = SaveHandle(step, dest.path)
                 handle._set_result(stats)
+                self._watch_commit(handle)
                 return handle
             if self._writer is None:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
             pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
-                                             stage_now=_key_filter(stage_now))
+                                             stage_now=_key_filter(stage_now), side=files)
             if self.rank == 0 and self._last_records is not None:
                 # every rank finished waiting for the previous save before this one's plan
-                self._root.drop_records(self._last_records)
-            self._last_records = pending.job.save_id
+                self._last_records.root.drop_records(self._last_records.save_id)
+            self._last_records = pending.job.dest
             handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
                                 reported=self._reported, staged=self._saver.staged_stats(pending))
             self._pending = (pending, handle)
+            self._watch_commit(handle)
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
+
+    def _destination(self, step: int, path: Any) -> Destination:
+        """Where a save goes: ``<root>/step_<N>`` (moving ``latest``, then retention), or the
+        caller's own ``path`` (nothing else moved or deleted)."""
+        if path is None:
+            return Destination(self._own_root("save(step) without path="), step_name(step), step, "",
+                               move_latest=True, keep_last=self.options.keep_last)
+        where = os.fspath(path)
+        root, name = split_checkpoint(where, self.options.storage_options, local_staging=self.options.local_staging_dir,
+                                      timeout=self.options.timeout, faults=self._faults)
+        if self._root is not None and root.url == self._root.url:
+            raise CheckpointError(f"path={where!r} lies directly in this manager's root {self.root}, whose "
+                                  "step_<N> layout, latest and retention the manager owns: save(step) writes "
+                                  "there; pass a path elsewhere (or a manager with root=None)")
+        return Destination(root, name, step, "")
+
+    def _watch_commit(self, handle: SaveHandle) -> None:
+        if self._on_commit is None:
+            return
+        on_commit = self._on_commit
+
+        def committed(h: SaveHandle) -> None:
+            if h.exception(0) is None:
+                on_commit(h)
+
+        handle.add_done_callback(committed)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -481,7 +548,7 @@ class CheckpointManager:
 
     def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
-             verify: bool = True, per_rank: str = "error") -> Any:
+             path: Any = None, verify: bool = True, per_rank: str = "error") -> Any:
         """Restore checkpoint ``step`` (None: latest); not a collective call.
 
         Training objects, restored in place (a fresh optimizer needs no
@@ -500,20 +567,27 @@ class CheckpointManager:
         this rank's PerRank values, unwrapped, as saved).
 
         Either way the template may be sharded differently, or be on another
-        world size, than the save. Finalizes pending saves first.
+        world size, than the save. ``path``: a checkpoint (or a run root:
+        its latest, or ``step``) elsewhere than this manager's root.
+        Finalizes pending saves first.
         """
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load")
         with self._lock:
             self._check_open()
             self.finalize_pending_saves()
-            if step is None:
+            if path is not None:
+                found, name, _ = resolve(os.fspath(path), step, storage_options=self.options.storage_options)
+                path = found.path(name)
+            elif step is None:
                 step = self.latest_step()
                 if step is None:
                     raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+                path = self.path_for(step)
             elif step not in self.steps():  # (refuses a symlinked step_<N>)
                 raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
                                               f"checkpoint of step {step} (committed steps: {self.steps()})")
-            path = self.path_for(step)
+            else:
+                path = self.path_for(step)
             if training is not None:
                 return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
                                      per_rank=per_rank, storage_options=self.options.storage_options,

@@ -62,7 +62,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from . import remote, storage
 from ._faults import Faults, crash_point
@@ -217,8 +217,12 @@ class Root(abc.ABC):
     def open_staging(self, dest: Destination, rank: int) -> str:
         """Every rank, before writing: the local directory where it writes its files."""
 
-    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:  # noqa: B027 - optional step, no-op by default
-        """Every rank, after writing: move its staged files into the checkpoint (a no-op on POSIX)."""
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float,  # noqa: B027 - optional step, no-op by default
+               side: Sequence[str] = ()) -> None:
+        """Every rank, after writing: move its staged files into the checkpoint (a no-op on POSIX).
+
+        ``names``: data files (stored as :meth:`data_name` says); ``side``: side files (rank 0; stored
+        under their own names, which a reader such as ``from_pretrained`` expects)."""
 
     @abc.abstractmethod
     def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
@@ -926,15 +930,16 @@ class ObjectRoot(Root):
         os.mkdir(path)
         return path
 
-    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float,
+               side: Sequence[str] = ()) -> None:
         fs = self._fs()[0]
         staging = self._local(dest, rank)
-        for name in names:
+        for name, stored in [(n, self.data_name(dest, n)) for n in names] + [(n, n) for n in side]:
             local = os.path.join(staging, name)
             size = os.path.getsize(local)
             t0 = time.monotonic()
-            url = _join(self.url, dest.name, self.data_name(dest, name))
-            key = self._key(dest.name, self.data_name(dest, name))
+            url = _join(self.url, dest.name, stored)
+            key = self._key(dest.name, stored)
             try:
                 self._retry(f"upload {url}", functools.partial(_put, fs, local, key, url, size), deadline)
             except FileNotFoundError as e:
@@ -1104,14 +1109,18 @@ def open_root(url: str, *, storage_options: Optional[Dict[str, Any]] = None, loc
     return PosixRoot(url, faults=faults)
 
 
-def split_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Root, str]:
-    """(root, name) of a checkpoint given by its own location (``.../step_100``, a one-shot directory)."""
+def split_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None, *,
+                     local_staging: Optional[str] = None, timeout: float = 600.0,
+                     faults: Optional[Faults] = None) -> Tuple[Root, str]:
+    """(root, name) of a checkpoint given by its own location (``.../step_100``, a one-shot directory,
+    a directory its caller names)."""
     if remote.is_remote(path):
         url = str(path).rstrip("/")
         parent, _, name = url.rpartition("/")
-        return ObjectRoot(parent, storage_options=storage_options), name
+        return ObjectRoot(parent, storage_options=storage_options, local_staging=local_staging, timeout=timeout,
+                          faults=faults), name
     full = os.path.abspath(os.fspath(path))
-    return PosixRoot(os.path.dirname(full), detached=True), os.path.basename(full)
+    return PosixRoot(os.path.dirname(full), detached=True, faults=faults), os.path.basename(full)
 
 
 def resolve(location: str, step: Optional[int] = None, *,

@@ -30,22 +30,23 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import replicas
+from . import replicas, side_files
 from ._comm import Comm
 from ._faults import Faults, crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
 from .commit import Barrier, run_job, write_files
 from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
-from .format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord
+from .format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name
 from .handles import SaveStats
 from .jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
 from .model import FlatState, flatten
 from .options import Options
+from .side_files import SideFiles
 from .planning import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
 from .staging import cut_chunks, layout
 
@@ -104,6 +105,7 @@ class Prepared:
     cached: bool
     t0: float
     t_plan: float
+    side_files: SideFiles = ()  # rank 0's, committed with the checkpoint
 
     @property
     def step(self) -> Optional[int]:
@@ -258,16 +260,19 @@ class Saver:
         return self._prepare(state, None, None, time.perf_counter(), records=False).plan
 
     def _prepare(self, state: Any, template: Optional[Destination], step: Optional[int], t0: float,
-                 records: bool) -> Prepared:
+                 records: bool, given: Optional[Mapping[str, Any]] = None) -> Prepared:
         comm = self.comm
         state_err: Optional[str] = None
         target_err: Optional[str] = None
         flat = meta = None
         sig = ""
+        side: SideFiles = ()
         try:
             flat = flatten(state)
             meta = local_meta(flat)
             sig = meta.signature()
+            if given and comm.rank == 0:  # rank 0's are saved: its problems reach every rank below
+                side = side_files.collect(given, reserved=[data_file_name(r) for r in range(comm.size)])
         except InvalidStateError as e:
             state_err = str(e)
         except Exception as e:  # anything else must reach the other ranks too
@@ -302,6 +307,7 @@ class Saver:
                 comm.broadcast(None)
             raise agreed
         assert prepared is not None
+        prepared.side_files = side
         return prepared
 
     def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
@@ -373,22 +379,26 @@ class Saver:
         manifest = None
         if self.comm.rank == 0:
             root = p.dest.root
-            manifest = manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
-                                         self.options.block_size).renamed(lambda n: root.data_name(p.dest, n))
+            manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
+                                                 self.options.block_size).renamed(lambda n: root.data_name(p.dest, n)),
+                               side_files=side_files.records(p.side_files))
         return SaveJob(p.dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
-                       manifest=manifest, faults=self.faults)
+                       manifest=manifest, faults=self.faults, side_files=p.side_files)
 
     # ------------------------------------------------------------------ synchronous
-    def save(self, state: Any, template: Destination, t_call: Optional[float] = None) -> SaveStats:
+    def save(self, state: Any, template: Destination, t_call: Optional[float] = None,
+             side: Optional[Mapping[str, Any]] = None) -> SaveStats:
         """A synchronous save; returns once committed (collective).
 
         ``template``: where it goes (its ``save_id`` is drawn here).
         ``t_call``: when the caller's ``save()`` began (before waiting for a
-        previous save), for the stall figure.
+        previous save), for the stall figure. ``side``: side files (rank 0's
+        are committed with the checkpoint, see :mod:`nostall.side_files`).
         """
         comm = self.comm
         t_start = time.perf_counter()
-        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=False)
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=False,
+                          given=side)
         crash_point("planned", p.step)
         files = p.plan.files_of(comm.rank)
         job = self._job(p, _file_jobs(files))
@@ -412,7 +422,8 @@ class Saver:
 
     # ------------------------------------------------------------------ asynchronous
     def save_async(self, state: Any, template: Destination, writer: BackgroundWriter, t_call: Optional[float] = None,
-                   *, overlap: bool = False, stage_now: Optional[Callable[[str], bool]] = None) -> PendingSave:
+                   *, overlap: bool = False, stage_now: Optional[Callable[[str], bool]] = None,
+                   side: Optional[Mapping[str, Any]] = None) -> PendingSave:
         """Stage this rank's data and hand it to the writer (collective up to the plan).
 
         ``overlap``: the copy runs in a thread after this returns, except the
@@ -421,7 +432,8 @@ class Saver:
         rank's state larger than that goes through the area in chunks.
         """
         t_start = time.perf_counter()
-        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=True)
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=True,
+                          given=side)
         crash_point("planned", p.step)
         writer.ensure_alive()
         files = p.plan.files_of(self.comm.rank)
