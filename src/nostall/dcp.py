@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -81,12 +81,11 @@ class Reader(_dcp.Reader):
             objects: Dict[str, Any] = {}
             owner: Dict[str, str] = {}  # fqn -> the nostall key of the value it comes from
             for key, value in m.objects.items():
-                for fqn, leaf in dcp_leaves(fqn_of(key), value).items():
+                for fqn, leaf in _leaves(fqn_of(key), value):
                     if fqn in keys or fqn in objects:
                         other = keys.get(fqn) or owner[fqn]
-                        raise CheckpointLoadError(
-                            f"the DCP name {fqn!r} comes from both {other!r} and {key!r} in {self.path}"
-                        )
+                        where = f"twice from {key!r}" if other == key else f"from both {other!r} and {key!r}"
+                        raise CheckpointLoadError(f"the DCP name {fqn!r} comes {where} in {self.path}")
                     objects[fqn] = leaf
                     owner[fqn] = key
             self._manifest, self._keys, self._objects = m, keys, objects
@@ -115,21 +114,25 @@ class Reader(_dcp.Reader):
 
 def dcp_leaves(name: str, value: Any) -> Dict[str, Any]:
     """The DCP items of the JSON value ``value`` at DCP name ``name``: ``{fqn: leaf}``,
-    as ``dcp.load`` (torch >= 2.4) flattens that value in a state dict (module docstring)."""
+    as ``dcp.load`` (torch >= 2.4) flattens that value in a state dict (module docstring).
+    ValueError if two items get the same name (``{"a.b": 1, "a": {"b": 2}}``), as DCP's does."""
     out: Dict[str, Any] = {}
-    _leaves(name, value, out)
+    for fqn, leaf in _leaves(name, value):
+        if fqn in out:
+            raise ValueError(f"two items of the value at {name!r} have the DCP name {fqn!r}")
+        out[fqn] = leaf
     return out
 
 
-def _leaves(name: str, value: Any, out: Dict[str, Any]) -> None:
+def _leaves(name: str, value: Any) -> Iterator[Tuple[str, Any]]:
     if isinstance(value, Mapping):
         for k, v in value.items():
-            _leaves(f"{name}.{k}", v, out)
+            yield from _leaves(f"{name}.{k}", v)
     elif isinstance(value, list) and _descended(value):
         for i, v in enumerate(value):
-            _leaves(f"{name}.{i}", v, out)
+            yield from _leaves(f"{name}.{i}", v)
     else:
-        out[name] = value
+        yield name, value
 
 
 def _descended(value: List[Any]) -> bool:
