@@ -36,7 +36,7 @@ def _sigterm_to_exit(signum: int, frame: Any) -> None:
 
 
 def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool, extra: Any,
-              layout: Optional[ParallelLayout], verb: str) -> Optional[Training]:
+              layout: Optional[ParallelLayout], verb: str, strict: bool = True) -> Optional[Training]:
     """The training objects of a save or load call, or None for the state-dict form; refuses a mix."""
     objects = model is not None or optimizer is not None or scheduler is not None or extra is not None
     if state is not None:
@@ -46,7 +46,7 @@ def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool,
         return None
     if not objects:
         raise TypeError(f"{verb}(): nothing to {verb}: pass model= (and optimizer=, scheduler=, extra=), or a state")
-    return Training(model, optimizer, scheduler, rng, extra, layout)
+    return Training(model, optimizer, scheduler, rng, extra, layout, strict)
 
 
 def _key_filter(stage_now: Any) -> Optional[Callable[[str], bool]]:
@@ -316,8 +316,8 @@ class CheckpointManager:
                 self._writer.area.ensure(min(size, budget or size), cap=budget)
                 self._writer.attach_if_needed()
 
-    def save(self, step: int, state: Any = None, *, model: Any = None, optimizer: Any = None, scheduler: Any = None,
-             rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
+    def save(self, step: Optional[int], state: Any = None, *, model: Any = None, optimizer: Any = None,
+             scheduler: Any = None, rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
              path: Any = None, files: Optional[Mapping[str, Any]] = None, async_save: Optional[bool] = None,
              overlap: Optional[bool] = None, stage_now: Any = None) -> SaveHandle:
         """Save checkpoint ``step``; a collective call over the group.
@@ -370,8 +370,9 @@ class CheckpointManager:
         prefixes (``"model/bn1."`` for a ``state_dict()`` saved under
         ``"model"``).
         """
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if not (step is None and path is not None) and (isinstance(step, bool) or not isinstance(step, int)
+                                                         or step < 0):
+            raise ValueError(f"step must be a non-negative int (None only with path=), got {step!r}")
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save")
         use_async = self.options.async_save if async_save is None else bool(async_save)
         if self.options.fallback_sync:
@@ -411,10 +412,11 @@ class CheckpointManager:
             log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
             return handle
 
-    def _destination(self, step: int, path: Any) -> Destination:
+    def _destination(self, step: Optional[int], path: Any) -> Destination:
         """Where a save goes: ``<root>/step_<N>`` (moving ``latest``, then retention), or the
         caller's own ``path`` (nothing else moved or deleted)."""
         if path is None:
+            assert step is not None
             return Destination(self._own_root("save(step) without path="), step_name(step), step, "",
                                move_latest=True, keep_last=self.options.keep_last)
         where = os.fspath(path)
@@ -548,7 +550,7 @@ class CheckpointManager:
 
     def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
-             path: Any = None, verify: bool = True, per_rank: str = "error") -> Any:
+             path: Any = None, strict: bool = True, verify: bool = True, per_rank: str = "error") -> Any:
         """Restore checkpoint ``step`` (None: latest); not a collective call.
 
         Training objects, restored in place (a fresh optimizer needs no
@@ -559,7 +561,8 @@ class CheckpointManager:
 
         returns a :class:`~nostall.LoadedCheckpoint` (``step``, ``extra``,
         ``rng_restored``: RNG states saved with ``rng=True`` are set when
-        ``rng`` is true and the world size is the saving one's). ``extra``:
+        ``rng`` is true and the world size is the saving one's). ``strict``
+        False: model entries missing from the checkpoint keep their values. ``extra``:
         a template when the saved extra holds tensors or PerRank values.
 
         Or a ``state`` template: its tensors are filled in place, and the
@@ -571,7 +574,7 @@ class CheckpointManager:
         its latest, or ``step``) elsewhere than this manager's root.
         Finalizes pending saves first.
         """
-        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load")
+        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load", strict)
         with self._lock:
             self._check_open()
             self.finalize_pending_saves()

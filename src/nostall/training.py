@@ -218,6 +218,8 @@ class Training:
         extra: the caller's own state (a state subtree: JSON values,
             tensors, ShardedTensor, DTensor, PerRank).
         layout: this rank's TP x DP coordinates, for Megatron-style parameters.
+        strict: loading only: every model entry must be in the checkpoint
+            (False: those that are not are left as they are, and logged).
     """
 
     model: Optional[torch.nn.Module] = None
@@ -226,6 +228,7 @@ class Training:
     rng: bool = False
     extra: Any = None
     layout: Optional[ParallelLayout] = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -334,7 +337,14 @@ class Training:
         """The load template for checkpoint ``m`` (tensors to fill; None where a JSON value is restored)."""
         out: Dict[str, Any] = {}
         if self.model is not None:
-            out["model"] = self.model_leaves()
+            leaves = self.model_leaves()
+            if not self.strict:
+                missing = [n for n in leaves if f"model/{escape_component(n)}" not in m.tensors]
+                if missing:
+                    log.warning("%s: %d model entries are not in the checkpoint and keep their values "
+                                "(strict=False): %s", path, len(missing), missing[:5])
+                leaves = {n: v for n, v in leaves.items() if n not in missing}
+            out["model"] = leaves
         if self.optimizer is not None:
             # (an optimizer saved before its first step holds no tensor: one JSON value under "optimizer")
             if not any(k == "optimizer" or k.startswith("optimizer/") for k in list(m.tensors) + list(m.objects)):
