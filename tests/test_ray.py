@@ -114,11 +114,14 @@ def test_generic_worker_dispatch_save_load(ray_local, tmp_path):
         for _ in range(3):
             d.call("step")
         saved = d.call("weights")
-        out = d.save_checkpoint(str(tmp_path), 3)
+        # the driver's own state goes into the same commit (rank 0's part)
+        out = d.save_checkpoint(str(tmp_path), 3, driver_state={"position": 17, "seen": torch.arange(3)})
         assert [o["rank"] for o in out] == [0, 1]
         d.call("scramble")
         # load finalizes the pending async save first, then restores weights, momentum and counters
         assert d.load_checkpoint(str(tmp_path)) == [3, 3]
+        got = d.driver_state()
+        assert got["position"] == 17 and torch.equal(got["seen"], torch.arange(3))
         for before, after in zip(saved, d.call("weights")):
             assert all(torch.equal(a, b) for a, b in zip(before, after))
         d.call("step")

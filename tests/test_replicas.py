@@ -88,3 +88,22 @@ def test_replicas_are_checked_on_first_save_plan_change_and_always_when_asked(po
 def test_docstring_examples_run(module):
     failed, attempted = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert attempted > 0 and failed == 0
+
+
+def _nested_differently(rank, world, root):
+    import nostall
+
+    with nostall.CheckpointManager(root) as mgr:
+        # rank 0's extra holds a tensor (saved entry by entry), rank 1's is one JSON value: refused
+        extra = {"worker": {"n": 1}, "seen": torch.arange(2)} if rank == 0 else {"worker": {"n": 1}}
+        msg = _expect_refused(mgr, 1, {"extra": extra}, "'extra'", "same structure")
+        # rank 0 alone holding a key of its own is fine (a driver's state)
+        mgr.save(2, {"extra": {"worker": {"n": 1}}, **({"driver": {"pos": 3, "t": torch.ones(1)}} if rank == 0 else {})})
+        got = nostall.load({"driver": {"pos": None, "t": torch.zeros(1)}}, mgr.path_for(2))
+    return msg, got["driver"]["pos"], float(got["driver"]["t"])
+
+
+def test_a_value_under_another_ranks_value_is_refused(pool2: RankPool, tmp_path):
+    out = pool2.run(_nested_differently, str(tmp_path / "run"))
+    assert out[0][0] == out[1][0]
+    assert [o[1:] for o in out] == [(3, 1.0), (3, 1.0)]

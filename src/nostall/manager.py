@@ -36,9 +36,11 @@ def _sigterm_to_exit(signum: int, frame: Any) -> None:
 
 
 def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool, extra: Any,
-              layout: Optional[ParallelLayout], verb: str, strict: bool = True) -> Optional[Training]:
+              layout: Optional[ParallelLayout], verb: str, strict: bool = True,
+              driver: Any = None) -> Optional[Training]:
     """The training objects of a save or load call, or None for the state-dict form; refuses a mix."""
-    objects = model is not None or optimizer is not None or scheduler is not None or extra is not None
+    objects = (model is not None or optimizer is not None or scheduler is not None or extra is not None
+               or driver is not None)
     if state is not None:
         if objects or layout is not None or (verb != "load" and rng):
             raise TypeError(f"{verb}(): pass either a state or training objects (model=, optimizer=, scheduler=, "
@@ -46,7 +48,7 @@ def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool,
         return None
     if not objects:
         raise TypeError(f"{verb}(): nothing to {verb}: pass model= (and optimizer=, scheduler=, extra=), or a state")
-    return Training(model, optimizer, scheduler, rng, extra, layout, strict)
+    return Training(model, optimizer, scheduler, rng, extra, layout, strict, driver)
 
 
 def _key_filter(stage_now: Any) -> Optional[Callable[[str], bool]]:
@@ -318,7 +320,8 @@ class CheckpointManager:
 
     def save(self, step: Optional[int], state: Any = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
-             path: Any = None, files: Optional[Mapping[str, Any]] = None, async_save: Optional[bool] = None,
+             path: Any = None, files: Optional[Mapping[str, Any]] = None, driver: Any = None,
+             async_save: Optional[bool] = None,
              overlap: Optional[bool] = None, stage_now: Any = None) -> SaveHandle:
         """Save checkpoint ``step``; a collective call over the group.
 
@@ -343,6 +346,11 @@ class CheckpointManager:
         no ``latest``, no retention: the caller owns them, see ``on_commit``).
         All of a manager's saves share its writer and staging memory, and at
         most one is in flight, whatever their paths.
+
+        ``driver``: state only rank 0 passes (a job driver's or coordinator's
+        own: its data position, counters; JSON and small tensors), saved
+        once in the same commit; ``load(model=...)`` returns it on every rank
+        as ``driver``.
 
         ``files``: small files committed with the checkpoint, at
         ``<checkpoint>/<name>`` (rank 0's; see :mod:`nostall.side_files`)::
@@ -373,7 +381,7 @@ class CheckpointManager:
         if not (step is None and path is not None) and (isinstance(step, bool) or not isinstance(step, int)
                                                          or step < 0):
             raise ValueError(f"step must be a non-negative int (None only with path=), got {step!r}")
-        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save")
+        training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save", driver=driver)
         use_async = self.options.async_save if async_save is None else bool(async_save)
         if self.options.fallback_sync:
             use_async = False

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 from ._boxes import box_str, cover_problem
 from .errors import InvalidStateError
@@ -301,8 +301,27 @@ def _ties(by_key: Dict[str, List[Tuple[int, TensorMeta]]]) -> Dict[str, str]:
     return tied
 
 
-def check_objects(objects: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """Merge replicated JSON objects of all ranks; they must agree."""
+def check_objects(objects: Sequence[Dict[str, Any]], tensor_keys: Iterable[str] = ()) -> Dict[str, Any]:
+    """Merge replicated JSON objects of all ranks; they must agree, and no value may lie under
+    another (one rank's ``extra`` a single JSON value, another's split into ``extra/...`` because it
+    holds a tensor there: a load could not tell which is meant)."""
+    merged = _merge_objects(objects)
+    owner = {k: r for r in reversed(range(len(objects))) for k in objects[r]}
+    keys = set(merged) | set(tensor_keys)
+    for k in sorted(keys):
+        parts = k.split("/")
+        for i in range(1, len(parts)):
+            above = "/".join(parts[:i])
+            if above in merged:
+                raise InvalidStateError(
+                    f"key {above!r} is one value on rank {owner[above]}, but {k!r} lies under it (on another rank, "
+                    "or as a tensor): give every rank the same structure there (a container that holds a tensor or "
+                    "PerRank value on one rank is saved entry by entry)"
+                )
+    return merged
+
+
+def _merge_objects(objects: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     import json
 
     merged: Dict[str, Any] = {}

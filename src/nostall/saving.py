@@ -350,7 +350,7 @@ class Saver:
                 self._plan = None  # the next save checks again, even with the same structure
                 return error, None
         try:
-            objects = check_objects([r[3][0] for r in round1])
+            objects = check_objects([r[3][0] for r in round1], plan.tensors)
         except InvalidStateError as e:
             return e, None
         if dest is None:  # planning only

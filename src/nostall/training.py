@@ -86,7 +86,8 @@ class LoadedCheckpoint:
     ``step``: the checkpoint's step (None for a checkpoint saved without
     one); ``extra``: the saved ``extra`` (this rank's PerRank values
     unwrapped); ``rng_restored``: whether the RNG states were set (they are
-    only on the world size that saved them).
+    only on the world size that saved them); ``driver``: the state rank 0
+    saved as ``driver`` (None: none).
     """
 
     step: Optional[int]
@@ -94,6 +95,7 @@ class LoadedCheckpoint:
     extra: Any = None
     saved_layout: Dict[str, int] = field(default_factory=dict)
     rng_restored: bool = False
+    driver: Any = None
 
 
 def mark_tensor_parallel(param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -220,6 +222,9 @@ class Training:
         layout: this rank's TP x DP coordinates, for Megatron-style parameters.
         strict: loading only: every model entry must be in the checkpoint
             (False: those that are not are left as they are, and logged).
+        driver: state that only rank 0 gives (the job driver's or
+            coordinator's own: its data position, counters), saved once in
+            the same commit; a load gives it back on every rank.
     """
 
     model: Optional[torch.nn.Module] = None
@@ -229,6 +234,7 @@ class Training:
     extra: Any = None
     layout: Optional[ParallelLayout] = None
     strict: bool = True
+    driver: Any = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -253,6 +259,8 @@ class Training:
             out["rng"] = _rng_now()
         if self.extra is not None:
             out["extra"] = self.extra
+        if self.driver is not None:
+            out["driver"] = self.driver
         layout = self.layout or ParallelLayout()
         out["layout"] = dict(layout.as_dict(), world_size=world_size)
         return out
@@ -365,9 +373,12 @@ class Training:
         if self.extra is not None:
             out["extra"] = self.extra
         else:
-            extra = _extra_template(m, rank, world_size, path)
+            extra = _saved_template("extra", m, rank, world_size, path)
             if extra is not _ABSENT:
                 out["extra"] = extra
+        driver = _saved_template("driver", m, rank, world_size, path)
+        if driver is not _ABSENT:
+            out["driver"] = driver
         if "layout" in m.objects:
             out["layout"] = None
         return out
@@ -434,7 +445,7 @@ class Training:
                             path, m.world_size)
         layout = restored.get("layout")
         return LoadedCheckpoint(m.step, path, restored.get("extra"), dict(layout) if isinstance(layout, dict) else {},
-                                rng_restored)
+                                rng_restored, restored.get("driver"))
 
     def _load_optimizer(self, saved: Mapping[str, Any], path: str) -> None:
         assert self.optimizer is not None
@@ -481,8 +492,9 @@ def _unescape(component: str) -> str:
     return component.replace("~1", "/").replace("~0", "~")
 
 
-def _extra_template(m: Manifest, rank: int, world_size: int, path: str) -> Any:
-    """A template for the saved ``extra`` made from the manifest: everything under it, as saved.
+def _saved_template(top: str, m: Manifest, rank: int, world_size: int, path: str) -> Any:
+    """A template for the saved ``top`` (``extra``, ``driver``) made from the manifest: everything
+    under it, as saved (``_ABSENT`` when there is nothing).
 
     JSON values come back as saved; tensors are loaded whole (a sharded one
     assembled); this rank's PerRank values unwrapped (they are left out,
@@ -490,33 +502,33 @@ def _extra_template(m: Manifest, rank: int, world_size: int, path: str) -> Any:
     PerRank values come back as dicts (a list's items keyed "0", "1", ...);
     pass ``extra=`` a template to get other types.
     """
-    if "extra" in m.objects:
+    if top in m.objects:
         return None  # one JSON value
     entries: Dict[str, Any] = {}
     for key, rec in m.tensors.items():
-        if key.startswith("extra/"):
+        if key.startswith(top + "/"):
             entries[key] = torch.empty(tuple(rec.shape), dtype=torch_dtype(rec.dtype))
     for key in m.objects:
-        if key.startswith("extra/"):
+        if key.startswith(top + "/"):
             entries[key] = None
     mine = m.per_rank[rank] if m.world_size == world_size and 0 <= rank < len(m.per_rank) else None
     skipped = False
     for r in m.per_rank:
         for key, rec in r.tensors.items():
-            if key == "extra" or key.startswith("extra/"):
+            if key == top or key.startswith(top + "/"):
                 if r is mine:
                     entries[key] = PerRank(torch.empty(tuple(rec.shape), dtype=torch_dtype(rec.dtype)))
                 skipped = skipped or mine is None
         for key in r.objects:
-            if key == "extra" or key.startswith("extra/"):
+            if key == top or key.startswith(top + "/"):
                 if r is mine:
                     entries[key] = PerRank(None)
                 skipped = skipped or mine is None
     if skipped:
-        log.warning("%s: saved by %d ranks, loaded by %d: the PerRank values of extra are left out", path,
-                    m.world_size, world_size)
-    if "extra" in entries:  # the whole of extra was one PerRank value
-        return entries["extra"]
+        log.warning("%s: saved by %d ranks, loaded by %d: the PerRank values of %s are left out", path,
+                    m.world_size, world_size, top)
+    if top in entries:  # the whole of it was one PerRank value
+        return entries[top]
     if not entries:
         return _ABSENT
     tree: Dict[str, Any] = {}

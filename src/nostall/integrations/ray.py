@@ -82,9 +82,13 @@ class Worker:
     def load_extra_state(self, extra: Any) -> None:
         """Restore what :meth:`extra_state` returned."""
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None) -> Dict[str, Any]:
+    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None,
+                        driver_state: Any = None) -> Dict[str, Any]:
+        """Save this rank's part of checkpoint ``step``; ``driver_state`` (rank 0 only): the
+        driver's own state, committed in the same checkpoint (see :meth:`WorkerDispatch.save_checkpoint`)."""
         handle = self.strategy.save_checkpoint(
-            ckpt_dir, step, self.model, self.optimizer, self.scheduler, self.extra_state(), async_save=async_save
+            ckpt_dir, step, self.model, self.optimizer, self.scheduler, self.extra_state(), async_save=async_save,
+            driver_state=driver_state,
         )
         return {"rank": self.rank, "step": step, "committed": handle.done()}
 
@@ -93,7 +97,14 @@ class Worker:
             ckpt_dir, self.model, self.optimizer, self.scheduler, step=step
         )
         self.load_extra_state(loaded.extra)
+        self.loaded_driver_state = loaded.driver
         return loaded.step
+
+    loaded_driver_state: Any = None
+
+    def driver_state(self) -> Any:
+        """The driver state of the checkpoint this worker loaded last (None: none)."""
+        return self.loaded_driver_state
 
     def finalize_pending_saves(self) -> None:
         self.strategy.finalize_pending_saves()
@@ -156,22 +167,39 @@ class WorkerDispatch:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> List[Any]:
         """``method(*args, **kwargs)`` on every actor; results by rank."""
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
+
+    def _get(self, refs: List[Any], method: str) -> List[Any]:
         try:
             return ray.get(refs, timeout=self.timeout)
         except ray.exceptions.GetTimeoutError as e:
             raise CheckpointError(f"workers did not finish {method!r} within {self.timeout}s") from e
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None) -> List[Any]:
-        return self.call("save_checkpoint", ckpt_dir, step, async_save=async_save)
+    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None,
+                        driver_state: Any = None) -> List[Any]:
+        """Save checkpoint ``step`` on every worker. ``driver_state``: the driver's own state (its
+        data-loader position, counters, the in-flight batches' bookkeeping: JSON values and small
+        tensors), committed by rank 0 in the same checkpoint, so that the workers' state and the
+        driver's can never disagree after a crash. :meth:`load_checkpoint` gives it back."""
+        if driver_state is None:
+            return self.call("save_checkpoint", ckpt_dir, step, async_save=async_save)
+        refs = [a.save_checkpoint.remote(ckpt_dir, step, async_save=async_save,
+                                         **({"driver_state": driver_state} if r == 0 else {}))
+                for r, a in enumerate(self.actors)]
+        return self._get(refs, "save_checkpoint")
 
     def finalize_pending_saves(self) -> None:
         self.call("finalize_pending_saves")
 
     def load_checkpoint(self, ckpt_dir: str, step: Optional[int] = None) -> List[Any]:
-        """Finalize pending saves on every worker, then load on every worker."""
+        """Finalize pending saves on every worker, then load on every worker; results by rank.
+        :meth:`driver_state` then gives the loaded checkpoint's driver state."""
         self.finalize_pending_saves()
         return self.call("load_checkpoint", ckpt_dir, step)
+
+    def driver_state(self) -> Any:
+        """The driver state committed with the checkpoint the workers loaded last (None: none)."""
+        return self._get([self.actors[0].driver_state.remote()], "driver_state")[0]
 
     def shutdown(self) -> None:
         """Finalize, close every worker, then end the actors."""

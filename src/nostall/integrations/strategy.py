@@ -163,6 +163,7 @@ class Strategy:
         extra: Any = None,
         *,
         async_save: Optional[bool] = None,
+        driver_state: Any = None,
     ) -> SaveHandle:
         """Save checkpoint ``step`` under ``ckpt_dir`` (collective).
 
@@ -170,10 +171,13 @@ class Strategy:
         identical on every rank, or containing :class:`~nostall.PerRank`
         values where it differs. Waits for this strategy's previous save of
         ``ckpt_dir`` first. Async saves return once staged; the handle
-        completes at commit.
+        completes at commit. ``driver_state`` (rank 0 only): the job
+        driver's own state, committed in the same checkpoint
+        (``LoadedCheckpoint.driver`` on load).
         """
         return self.manager(ckpt_dir).save(step, model=model, optimizer=optimizer, scheduler=scheduler, rng=True,
-                                           extra=extra, layout=self.layout, async_save=async_save)
+                                           extra=extra, layout=self.layout, driver=driver_state,
+                                           async_save=async_save)
 
     def prepare_checkpoint(
         self,

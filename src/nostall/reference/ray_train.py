@@ -55,8 +55,11 @@ class TrainerWorker(Worker):
     def maybe_save(self) -> Optional[Dict[str, Any]]:
         return self._t.maybe_save()
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None) -> Dict[str, Any]:
+    def save_checkpoint(self, ckpt_dir: str, step: int, async_save: Optional[bool] = None,
+                        driver_state: Any = None) -> Dict[str, Any]:
         t = self._t
+        if driver_state is not None:
+            raise ValueError("the reference worker's trainer keeps its own state (in its extra); no driver state")
         if ckpt_dir != t.cfg.ckpt_dir or step != t.step:
             raise ValueError("the reference worker saves its current step under its configured ckpt_dir")
         return t.save_checkpoint(async_save)
