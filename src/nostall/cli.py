@@ -81,6 +81,7 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
         "tensors": tensors,
         "objects": sorted(m.objects),
         "per_rank": [{"tensors": sorted(r.tensors), "objects": sorted(r.objects)} for r in m.per_rank],
+        "side_files": [{"name": f.name, "size": f.size} for f in sorted(m.side_files.values(), key=lambda f: f.name)],
     }
 
 
@@ -106,6 +107,12 @@ def _print_summary(s: Dict[str, Any]) -> None:
     if pr and any(r["tensors"] or r["objects"] for r in pr):
         keys = sorted(set(pr[0]["tensors"]) | set(pr[0]["objects"]))
         print(f"per rank    {', '.join(keys)}  (x {len(pr)} ranks)")
+    side = s["side_files"]
+    if side:
+        print(f"side files  {len(side)} file(s), {_human(sum(f['size'] for f in side))}")
+        w = max(len(f["name"]) for f in side)
+        for f in side:
+            print(f"  {f['name']:<{w}}  {_human(f['size']):>10}")
 
 
 def storage_options_arg(text: str) -> Dict[str, Any]:
@@ -366,6 +373,10 @@ examples:
 --keys selects by key prefix (model) or glob (model/*.weight); give several
 comma-separated (--keys model,optim) or repeat the option. Keys are the state's
 nested dict keys joined with '/'; exported names join them with --separator.
+Side files saved with the checkpoint (save(files=...)) are copied into a
+safetensors export, checksums checked: those under huggingface/ at its top
+level (huggingface/config.json -> DST/config.json, for from_pretrained(DST)),
+others under their own names. --to torch writes one file and leaves them out.
 DCP's .metadata file is a pickle: import only checkpoints you trust.
 """
 

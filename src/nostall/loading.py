@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -26,8 +27,10 @@ from .format import (
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
     MAX_MANIFEST_BYTES,
+    MAX_SIDE_FILE_BYTES,
     Manifest,
     PieceRecord,
+    SideFileRecord,
     TensorRecord,
     crc,
     parse_file_header,
@@ -403,6 +406,7 @@ class VerifyReport:
     files: int
     bytes: int
     problems: List[str]
+    side_files: int = 0  # side files checked (see docs/format.md, Side files)
 
     @property
     def ok(self) -> bool:
@@ -415,7 +419,9 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     A manifest that cannot be read or parsed raises (nothing else can be
     checked without it); problems in data files are collected, one per file
     that cannot be read and one per damaged piece (with its count of bad
-    blocks), and checking goes on with the next piece or file.
+    blocks), and checking goes on with the next piece or file. Every side
+    file is checked too (a regular file, its size and crc32c), one problem
+    per damaged one.
     """
     m = read_manifest(path, storage_options)
     files = _open_files(path, m, storage_options)
@@ -465,7 +471,100 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
                 total += p.nbytes
     finally:
         files.close()
-    return VerifyReport(path, len(m.files), total, problems)
+    for side in sorted(m.side_files.values(), key=lambda r: r.name):
+        try:
+            read_side_file(path, side, storage_options)
+        except (CheckpointError, OSError) as e:
+            problems.append(str(e))
+    return VerifyReport(path, len(m.files), total, problems, len(m.side_files))
+
+
+def side_file_location(path: str, name: str) -> str:
+    """Where the side file ``name`` of the checkpoint at ``path`` (a directory or URL) is."""
+    if remote.is_remote(path):
+        return f"{path.rstrip('/')}/{name}"
+    return os.path.join(path, *name.split("/"))
+
+
+def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
+    """The content of the side file ``rec`` of the checkpoint at ``path``, checked as docs/format.md says.
+
+    A regular file reached through no symbolic link (nor FIFO, device...), of
+    the manifest's size and crc32c; at most :data:`~nostall.format.MAX_SIDE_FILE_BYTES`
+    bytes are ever read. Raises :class:`~nostall.CheckpointCorruptError` naming
+    the file when it is missing or damaged, :class:`~nostall.CheckpointError`
+    when it cannot be read.
+    """
+    where = side_file_location(path, rec.name)
+    if rec.size > MAX_SIDE_FILE_BYTES:
+        raise CheckpointCorruptError(
+            f"{where}: the manifest says this side file holds {rec.size} bytes, more than the "
+            f"{MAX_SIDE_FILE_BYTES} a side file may; the manifest is damaged: restore it or load another checkpoint"
+        )
+    data = _read_side_remote(where, rec, storage_options) if remote.is_remote(path) else _read_side_local(path, rec)
+    if crc(data) != rec.crc32c:
+        raise CheckpointCorruptError(
+            f"{where}: side file checksum mismatch (crc32c {crc(data)}, the manifest says {rec.crc32c}): the "
+            "file is damaged or was replaced; restore it from a copy"
+        )
+    return data
+
+
+def _side_size_problem(where: str, size: int, rec: SideFileRecord) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: side file of {size} bytes, the manifest says {rec.size} (truncated or replaced?); restore it "
+        "from a copy"
+    )
+
+
+def _read_side_local(directory: str, rec: SideFileRecord) -> bytes:
+    parts = rec.name.split("/")
+    where = os.path.join(directory, *parts)
+    d = directory
+    for c in parts[:-1]:  # the directories on the way: none may be a symbolic link (nothing is followed)
+        d = os.path.join(d, c)
+        try:
+            mode = os.lstat(d).st_mode
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: side file missing (no directory {d})") from None
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot check the side file's directory {d}: {e.strerror or e}") from None
+        if not stat.S_ISDIR(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+            raise CheckpointCorruptError(f"{where}: side file not reachable: {d} is {what}; checkpoint files must "
+                                         "be regular files in plain directories (restore the side file)")
+    try:
+        fd = storage.open_regular(where)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{where}: side file missing") from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EINVAL):  # a symbolic link, FIFO, device, directory...
+            raise CheckpointCorruptError(f"{where}: side file {e.strerror}") from None
+        raise CheckpointError(f"{where}: cannot open the side file: {e.strerror or e}") from None
+    try:
+        size = os.fstat(fd).st_size
+        if size != rec.size:
+            raise _side_size_problem(where, size, rec)
+        # exactly the manifest's size (at most MAX_SIDE_FILE_BYTES): a file growing meanwhile is not read further
+        return bytes(storage.read_exact(fd, 0, rec.size, where))
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read the side file: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _read_side_remote(url: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]]) -> bytes:
+    try:
+        data = remote.read_small(url, MAX_SIDE_FILE_BYTES, storage_options)  # sized first, then bounded
+    except CheckpointNotFoundError:
+        raise CheckpointCorruptError(f"{url}: side file missing") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # the back end's own errors (connection, permission...)
+        raise CheckpointError(f"{url}: cannot read the side file: {e}") from e
+    if len(data) != rec.size:
+        raise _side_size_problem(url, len(data), rec)
+    return data
 
 
 def verify_window(bs: int) -> int:

@@ -15,6 +15,15 @@ saved pieces cover it -- whatever the saved sharding -- and written in place.
 Checksums are verified on every byte read. JSON values and per-rank values are
 not exported (neither format has a place for them).
 
+Side files (small files saved with the checkpoint, see ``side_files`` in
+docs/format.md) are copied into a safetensors export, each checked against
+its size and crc32c: one under ``huggingface/`` lands at the top level with
+that prefix removed (``huggingface/config.json`` becomes ``<dst>/config.json``,
+beside ``model.safetensors``, where ``from_pretrained(<dst>)`` reads it),
+any other keeps its name (``notes.txt``, ``extra/vocab.txt``). A side file
+whose name there is that of a weights file or of the shard index is refused.
+A ``torch`` export is one file: side files are not carried there.
+
 Tied keys (saved once, see ``tied_to`` in docs/format.md) are exported once
 when the key they are tied to is exported too. In safetensors, as Hugging
 Face does for tied weights, the tied name is left out of the files (and out
@@ -47,7 +56,8 @@ import torch
 from .._dtypes import dtype_code, torch_dtype
 from .._tensorbuf import byte_view
 from ..errors import CheckpointLoadError, CheckpointSaveError
-from ..format import FileEntry, TensorRecord, layout_file
+from ..format import FileEntry, SideFileRecord, TensorRecord, layout_file
+from ..loading import read_side_file
 from ..model import numel
 from ._common import Progress, ProgressFn, _Source, split_key
 
@@ -60,6 +70,8 @@ DEFAULT_MAX_SHARD_SIZE = 5 << 30
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TORCH_NAME = "model.pt"
+HF_SIDE_PREFIX = "huggingface/"
+"""Side files under this prefix land at the top level of a safetensors export (prefix removed)."""
 
 Shape = Tuple[int, ...]
 _DTYPES = {
@@ -81,10 +93,13 @@ class ExportReport:
     tied: Dict[str, str] = field(default_factory=dict)  # tied output name -> the output name holding its data
     peak_buffer_bytes: int = 0  # the most buffer memory held at once (estimate, see export())
     memory_limit: int = 0
+    side_files: List[str] = field(default_factory=list)  # the side files written (paths), besides ``files``
+    side_files_skipped: List[str] = field(default_factory=list)  # side files not carried (a torch export)
 
     def to_json(self) -> Dict[str, Any]:
         return {"files": self.files, "tensors": self.tensors, "bytes": self.bytes, "tied": self.tied,
-                "peak_buffer_bytes": self.peak_buffer_bytes, "memory_limit": self.memory_limit}
+                "peak_buffer_bytes": self.peak_buffer_bytes, "memory_limit": self.memory_limit,
+                "side_files": self.side_files, "side_files_skipped": self.side_files_skipped}
 
 
 def select_keys(keys: Sequence[str], patterns: Optional[Sequence[str]]) -> List[str]:
@@ -109,6 +124,23 @@ def _output_name(key: str, strip_prefix: Optional[str], sep: str) -> str:
         if parts[: len(pre)] == pre and len(parts) > len(pre):
             parts = parts[len(pre):]
     return sep.join(parts)
+
+
+def side_output_name(name: str) -> str:
+    """Where the side file ``name`` lands in a safetensors export, relative to it: ``huggingface/`` removed."""
+    return name[len(HF_SIDE_PREFIX):] if name.startswith(HF_SIDE_PREFIX) else name
+
+
+def _side_outputs(records: Sequence[SideFileRecord]) -> List[Tuple[str, SideFileRecord]]:
+    """(output name, record) of each side file, by output name; two landing on one name, or one on
+    the other's directory, are refused naming both."""
+    out = sorted(((side_output_name(r.name), r) for r in records), key=lambda x: x[0])
+    for (a, ra), (b, rb) in zip(out, out[1:]):
+        if a == b or b.startswith(a + "/"):
+            how = "the same file" if a == b else "a file and a directory at once"
+            raise CheckpointSaveError(f"side files {ra.name!r} and {rb.name!r} would be exported as {how} "
+                                      f"({a!r}, {b!r}); rename one of them when saving")
+    return out
 
 
 def _out_dtype(stored: torch.dtype, want: Optional[Union[str, torch.dtype]]) -> torch.dtype:
@@ -303,13 +335,20 @@ def export(
         dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"``...).
         max_shard_size: largest safetensors file, in bytes.
         memory_limit: bytes of buffers the export may hold at once. A tensor
-            bigger than that is written region by region.
+            bigger than that is written region by region. (A side file, at
+            most 64 MiB, is read whole, one at a time.)
         progress: ``progress(done_bytes, total_bytes)`` after each region.
+
+    Side files go into a safetensors export (``huggingface/`` ones at its top
+    level, see the module doc), each checked against its size and crc32c
+    whatever ``verify`` says; a ``torch`` export leaves them out (listed in
+    the report's ``side_files_skipped``).
 
     Raises:
         CheckpointLoadError: a key is missing, the limit is below what one
-            read needs, or a checksum fails (CheckpointCorruptError).
-        CheckpointSaveError: ``dst`` exists (without ``overwrite``) or cannot be written.
+            read needs, or a checksum fails (CheckpointCorruptError), a side file's too.
+        CheckpointSaveError: ``dst`` exists (without ``overwrite``) or cannot be written, or a
+            side file would take the name of a weights file, of the index or of another side file.
     """
     if to not in ("safetensors", "torch"):
         raise ValueError(f"to must be 'safetensors' or 'torch', got {to!r}")
@@ -344,10 +383,24 @@ def export(
         streamer = _Streamer(source, memory_limit, prog)
         for it in items:
             streamer.slab_elems(it)  # fail before writing anything if the limit is too small
+        side: List[Tuple[str, SideFileRecord]] = []
+        skipped: List[str] = []
+        if to == "safetensors":
+            side = _side_outputs(list(m.side_files.values()))
+        elif m.side_files:
+            skipped = sorted(m.side_files)
+            log.info("%s: %d side file(s) not exported (a torch export is one file): %s", src, len(skipped),
+                     ", ".join(skipped))
+
+        def read_side(rec: SideFileRecord) -> bytes:
+            return read_side_file(src, rec, storage_options)
+
         created = _Created()
+        side_paths: List[str] = []
         try:
             if to == "safetensors":
-                files = _export_safetensors(items, tied, dst, max_shard_size, overwrite, streamer, created)
+                files, side_paths = _export_safetensors(items, tied, dst, max_shard_size, overwrite, streamer, created,
+                                                        side, read_side)
             else:
                 files = [_export_torch(items, tied, dst, overwrite, streamer, created)]
         except BaseException:
@@ -355,7 +408,8 @@ def export(
             raise
         prog.finish()
         return ExportReport(files=files, tensors=len(items), bytes=total, names={i.name: i.key for i in items},
-                            tied=tied, peak_buffer_bytes=streamer.peak, memory_limit=memory_limit)
+                            tied=tied, peak_buffer_bytes=streamer.peak, memory_limit=memory_limit,
+                            side_files=side_paths, side_files_skipped=skipped)
     finally:
         source.close()
 
@@ -384,15 +438,56 @@ def _prepare_dir(dst: str, overwrite: bool, created: _Created) -> None:
     created.makedirs(dst)
 
 
+def _check_side_names(side: Sequence[Tuple[str, SideFileRecord]], weights: Sequence[str]) -> None:
+    """Refuse a side file that would land on (or make a directory of) a weights file or the index."""
+    owned = {w: "weights file" for w in weights}
+    owned[INDEX_NAME] = "shard index"  # the export's own, even unsharded (a stale one would mislead a reader)
+    for out, rec in side:
+        parts = out.split("/")
+        for i in range(1, len(parts) + 1):
+            hit = "/".join(parts[:i])
+            if hit in owned:
+                how = "would overwrite" if i == len(parts) else "would need a directory in place of"
+                raise CheckpointSaveError(
+                    f"side file {rec.name!r} (exported as {out!r}) {how} the export's {owned[hit]} {hit!r}; "
+                    "rename the side file when saving, or export without it"
+                )
+
+
+def _write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Callable[[SideFileRecord], bytes],
+                      dst: str, created: _Created) -> List[Tuple[str, str]]:
+    """Each side file read (size and crc32c checked) and written under a temporary name beside its final one."""
+    ready: List[Tuple[str, str]] = []
+    for out, rec in side:
+        data = read_side(rec)  # raises naming the file when it is missing or damaged
+        final = os.path.join(dst, *out.split("/"))
+        created.makedirs(os.path.dirname(final))
+        tmp = created.temp_for(final)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        ready.append((tmp, final))
+    return ready
+
+
 def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_size: int, overwrite: bool,
-                        streamer: _Streamer, created: _Created) -> List[str]:
-    """Every file is written under a temporary name; all are renamed into place (the index
-    last) only once every one is complete. ``tied`` names (tied name -> kept name) are
-    left out; the file holding a kept name records the tie in its metadata."""
-    _prepare_dir(dst, overwrite, created)
+                        streamer: _Streamer, created: _Created, side: Sequence[Tuple[str, SideFileRecord]] = (),
+                        read_side: Optional[Callable[[SideFileRecord], bytes]] = None) -> Tuple[List[str], List[str]]:
+    """Every file is written under a temporary name; all are renamed into place (the side
+    files first, the index last) only once every one is complete. ``tied`` names (tied
+    name -> kept name) are left out; the file holding a kept name records the tie in its
+    metadata. ``side``: (output name, record) of the side files, read with ``read_side``.
+    Returns the paths of the weights files (and index), and of the side files."""
     groups = _shards(items, max_size)
     n = len(groups)
     names = [SINGLE_NAME] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    _check_side_names(side, names)  # before anything is written
+    _prepare_dir(dst, overwrite, created)
+    side_ready: List[Tuple[str, str]] = []
+    if side:
+        assert read_side is not None
+        side_ready = _write_side_files(side, read_side, dst, created)  # small: a damaged one fails at once
     weight_map: Dict[str, str] = {}
     ready: List[Tuple[str, str]] = []  # (temporary, final)
     for fname, group in zip(names, groups or [[]]):
@@ -437,11 +532,13 @@ def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_
             fi.flush()
             os.fsync(fi.fileno())
         ready.append((tmp, ipath))
-    for tmp, path in ready:
+    for tmp, path in side_ready + ready:
         created.publish(tmp, path)
     written = [path for _, path in ready]
     log.info("exported %d tensor(s) to %d safetensors file(s) in %s", len(items), n, dst)
-    return written
+    if side_ready:
+        log.info("exported %d side file(s) to %s", len(side_ready), dst)
+    return written, [path for _, path in side_ready]
 
 
 # --------------------------------------------------------------------------- torch.save
