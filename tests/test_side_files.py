@@ -342,8 +342,11 @@ def test_side_files_on_object_storage(s3, tmp_path, capsys):
         mgr.finalize_pending_saves()
     url = f"{root}/step_1"
     fs = s3.filesystem()
-    for name, data in EXPECTED.items():  # under their own names (what from_pretrained expects)
-        assert fs.cat_file(f"{bucket}/run/step_1/{name}") == data
+    stored = {n: r["stored"] for n, r in json.loads(fs.cat_file(f"{bucket}/run/step_1/manifest.json"))
+              ["side_files"].items()}
+    for name, data in EXPECTED.items():  # tagged with the save, as data files are; the export restores the name
+        assert stored[name] != name and stored[name].rpartition("/")[0] == name.rpartition("/")[0]
+        assert fs.cat_file(f"{bucket}/run/step_1/{stored[name]}") == data
     report = check_checkpoint(url, so)
     assert report.ok and report.side_files == len(EXPECTED), report.problems
     capsys.readouterr()
@@ -352,8 +355,8 @@ def test_side_files_on_object_storage(s3, tmp_path, capsys):
     dst = str(tmp_path / "hf")
     export(url, dst, storage_options=so)
     assert pathlib.Path(dst, "config.json").read_bytes() == CONFIG_BYTES
-    fs.pipe(f"{bucket}/run/step_1/note.txt", b"HI")
-    fs.rm(f"{bucket}/run/step_1/huggingface/tokenizer.json")
+    fs.pipe(f"{bucket}/run/step_1/{stored['note.txt']}", b"HI")
+    fs.rm(f"{bucket}/run/step_1/{stored['huggingface/tokenizer.json']}")
     problems = check_checkpoint(url, so).problems
     assert len(problems) == 2, problems
     assert any("note.txt" in p and "checksum mismatch" in p for p in problems)
@@ -390,3 +393,33 @@ def test_gpt2_from_pretrained_of_the_export(tmp_path, how, capsys):
     ids = torch.arange(10).unsqueeze(0)
     with torch.no_grad():
         assert torch.equal(again(ids).logits, model(ids).logits)
+
+
+def test_a_failed_resave_on_object_storage_leaves_the_committed_side_files(s3, tmp_path):
+    import errno
+
+    bucket = s3.make_bucket("side-resave")
+    url = f"s3://{bucket}/run/global_step_1/policy"
+    so = s3.storage_options
+    with nostall.CheckpointManager(None, storage_options=so, async_save=True, timeout=60,
+                                   local_staging_dir=str(tmp_path / "staging")) as mgr:
+        mgr.save(1, _state(), path=url, files={"note.txt": "one"})
+        mgr.finalize_pending_saves()
+        mgr._faults.fail = {"manifest": errno.EIO}  # the re-save fails at its commit point
+        mgr.save(1, _state(), path=url, files={"note.txt": "two"})
+        with pytest.raises(nostall.CheckpointSaveError):
+            mgr.finalize_pending_saves()
+    report = check_checkpoint(url, so)
+    assert report.ok and report.side_files == 1, report.problems
+
+
+def test_a_name_given_twice_is_refused_and_hidden_entries_are_left_out(tmp_path):
+    from nostall.side_files import collect
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / ".gitattributes").write_text("*")
+    assert [n for n, _ in collect({"huggingface": d})] == ["huggingface/config.json"]
+    with pytest.raises(nostall.InvalidStateError, match="given twice.*'huggingface/config.json'.*'huggingface'"):
+        collect({"huggingface/config.json": {"a": 1}, "huggingface": d})

@@ -200,7 +200,7 @@ def commit(job: SaveJob, crcs: Crcs) -> None:
     assert job.manifest is not None
     manifest = job.manifest.with_crcs(crcs)
     root.check_files(dest, {**{n: f.size for n, f in manifest.files.items()},
-                            **{n: f.size for n, f in manifest.side_files.items()}})
+                            **{f.file: f.size for f in manifest.side_files.values()}})
     if dest.move_latest:
         root.prepare_latest(dest)  # needs space: fails here, before the commit point, on a full disk
     crash_point("commit.ready", dest.step)
@@ -290,7 +290,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
         crcs = write(job, staging)
         side_files.write(staging, job.side_files)
         res.bytes_written = sum(f.size for f in job.files) + sum(len(b) for _, b in job.side_files)
-        root.upload(dest, job.rank, names, deadline, side=side)
+        root.upload(dest, job.rank, names + side, deadline)
         mine = Done(True, {(root.data_name(dest, n), s, e): c for (n, s, e), c in crcs.items()})
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")

@@ -245,11 +245,22 @@ def side_file_problem(name: Any) -> Optional[str]:
 
 @dataclass(frozen=True)
 class SideFileRecord:
-    """A small file committed with the checkpoint (a model config, tokenizer files), at ``<checkpoint>/<name>``."""
+    """A small file committed with the checkpoint (a model config, tokenizer files), at ``<checkpoint>/<name>``.
+
+    ``stored``: where it is in the checkpoint when that differs from its name (object storage
+    tags it with the save, as data files are, so that a re-save never overwrites a file an older
+    manifest names); empty: at its name.
+    """
 
     name: str
     size: int
     crc32c: int
+    stored: str = ""
+
+    @property
+    def file(self) -> str:
+        """Its path in the checkpoint."""
+        return self.stored or self.name
 
 
 @dataclass(frozen=True)
@@ -281,7 +292,10 @@ class Manifest:
             ],
         }
         if self.side_files:  # only when there are any: manifests without them stay as they were
-            doc["side_files"] = {f.name: {"size": f.size, "crc32c": f.crc32c} for f in self.side_files.values()}
+            doc["side_files"] = {
+                f.name: {"size": f.size, "crc32c": f.crc32c, **({"stored": f.stored} if f.stored else {})}
+                for f in self.side_files.values()
+            }
         return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
     def with_crcs(self, crcs: Mapping[Tuple[str, int, int], Sequence[int]]) -> "Manifest":
@@ -377,7 +391,13 @@ class Manifest:
                 raise CheckpointCorruptError(f"{path}: invalid side file name {n!r} ({problem}); the manifest is "
                                              "damaged: restore it or load another checkpoint")
             f = _obj(f, f"side_files[{n!r}]")
-            side[n] = SideFileRecord(n, _int(f["size"], "size"), _int(f["crc32c"], "crc32c"))
+            stored = f.get("stored", "")
+            problem = "" if stored == "" else (side_file_problem(stored)
+                                               or ("it is also a data file's name" if stored in files else None))
+            if problem:
+                raise CheckpointCorruptError(f"{path}: side file {n!r}: invalid stored name {stored!r} ({problem}); "
+                                             "the manifest is damaged: restore it or load another checkpoint")
+            side[n] = SideFileRecord(n, _int(f["size"], "size"), _int(f["crc32c"], "crc32c"), stored)
         m = cls(
             step=None if step is None else _int(step, "step"),
             world_size=world_size,

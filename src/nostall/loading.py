@@ -495,13 +495,14 @@ def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dic
     the file when it is missing or damaged, :class:`~nostall.CheckpointError`
     when it cannot be read.
     """
-    where = side_file_location(path, rec.name)
+    url = side_file_location(path, rec.file)
+    where = url + (f" (side file {rec.name!r})" if rec.stored else "")
     if rec.size > MAX_SIDE_FILE_BYTES:
         raise CheckpointCorruptError(
             f"{where}: the manifest says this side file holds {rec.size} bytes, more than the "
             f"{MAX_SIDE_FILE_BYTES} a side file may; the manifest is damaged: restore it or load another checkpoint"
         )
-    data = _read_side_remote(where, rec, storage_options) if remote.is_remote(path) else _read_side_local(path, rec)
+    data = _read_side_remote(url, rec, storage_options) if remote.is_remote(path) else _read_side_local(path, rec)
     if crc(data) != rec.crc32c:
         raise CheckpointCorruptError(
             f"{where}: side file checksum mismatch (crc32c {crc(data)}, the manifest says {rec.crc32c}): the "
@@ -518,7 +519,7 @@ def _side_size_problem(where: str, size: int, rec: SideFileRecord) -> Checkpoint
 
 
 def _read_side_local(directory: str, rec: SideFileRecord) -> bytes:
-    parts = rec.name.split("/")
+    parts = rec.file.split("/")
     where = os.path.join(directory, *parts)
     d = directory
     for c in parts[:-1]:  # the directories on the way: none may be a symbolic link (nothing is followed)
@@ -554,16 +555,17 @@ def _read_side_local(directory: str, rec: SideFileRecord) -> bytes:
 
 
 def _read_side_remote(url: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]]) -> bytes:
+    where = url + (f" (side file {rec.name!r})" if rec.stored else "")
     try:
         data = remote.read_small(url, MAX_SIDE_FILE_BYTES, storage_options)  # sized first, then bounded
     except CheckpointNotFoundError:
-        raise CheckpointCorruptError(f"{url}: side file missing") from None
+        raise CheckpointCorruptError(f"{where}: side file missing") from None
     except CheckpointError:
         raise
     except Exception as e:  # the back end's own errors (connection, permission...)
-        raise CheckpointError(f"{url}: cannot read the side file: {e}") from e
+        raise CheckpointError(f"{where}: cannot read the side file: {e}") from e
     if len(data) != rec.size:
-        raise _side_size_problem(url, len(data), rec)
+        raise _side_size_problem(where, len(data), rec)
     return data
 
 

@@ -547,9 +547,16 @@ class CheckpointManager:
         collective: safe to call any number of times, on any subset of ranks.
         Called automatically by ``save()``, ``load()``, ``close()`` and at exit.
         A failed save is raised once (or logged, with ``errors="log"``).
+        Once it returns, the commit callbacks of the saves it waited for
+        (``on_commit``, ``add_done_callback``) have run.
         """
         with self._lock:
-            self._settle(timeout)
+            handle = self._pending[1] if self._pending is not None else None
+            try:
+                self._settle(timeout)
+            finally:
+                if handle is not None and handle.done():
+                    handle._run_callbacks()  # here rather than later in the handle's watcher thread
             if self._unraised is not None:
                 e, self._unraised = self._unraised, None
                 if self.options.errors == "raise":

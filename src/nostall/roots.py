@@ -62,7 +62,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from . import remote, storage
 from ._faults import Faults, crash_point
@@ -156,7 +156,7 @@ class Root(abc.ABC):
         """Location (directory or URL) of the checkpoint named ``name``."""
 
     def data_name(self, dest: Destination, name: str) -> str:
-        """What the planned data file ``name`` is called in the checkpoint."""
+        """What the planned data file (or side file) ``name`` is called in the checkpoint."""
         return name
 
     # ------------------------------------------------------------------ reading
@@ -217,12 +217,9 @@ class Root(abc.ABC):
     def open_staging(self, dest: Destination, rank: int) -> str:
         """Every rank, before writing: the local directory where it writes its files."""
 
-    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float,  # noqa: B027 - optional step, no-op by default
-               side: Sequence[str] = ()) -> None:
-        """Every rank, after writing: move its staged files into the checkpoint (a no-op on POSIX).
-
-        ``names``: data files (stored as :meth:`data_name` says); ``side``: side files (rank 0; stored
-        under their own names, which a reader such as ``from_pretrained`` expects)."""
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:  # noqa: B027 - optional step, no-op by default
+        """Every rank, after writing: move its staged files (data files, rank 0's side files) into the
+        checkpoint, each stored as :meth:`data_name` says (a no-op on POSIX)."""
 
     @abc.abstractmethod
     def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
@@ -840,8 +837,10 @@ class ObjectRoot(Root):
     def data_name(self, dest: Destination, name: str) -> str:
         """``rank0.safetensors`` -> ``rank0.<save id>.safetensors``: a re-save of a step never
         overwrites the files an older manifest of that step still names."""
-        stem, dot, ext = name.rpartition(".")
-        return f"{stem}.{dest.save_id[:16]}.{ext}" if dot else f"{name}.{dest.save_id[:16]}"
+        folder, slash, base = name.rpartition("/")  # a side file's folders keep their names
+        stem, dot, ext = base.rpartition(".")
+        tagged = f"{stem}.{dest.save_id[:16]}.{ext}" if dot and stem else f"{base}.{dest.save_id[:16]}"
+        return f"{folder}{slash}{tagged}"
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> List[int]:
@@ -930,11 +929,10 @@ class ObjectRoot(Root):
         os.mkdir(path)
         return path
 
-    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float,
-               side: Sequence[str] = ()) -> None:
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
         fs = self._fs()[0]
         staging = self._local(dest, rank)
-        for name, stored in [(n, self.data_name(dest, n)) for n in names] + [(n, n) for n in side]:
+        for name, stored in [(n, self.data_name(dest, n)) for n in names]:
             local = os.path.join(staging, name)
             size = os.path.getsize(local)
             t0 = time.monotonic()

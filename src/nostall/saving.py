@@ -381,7 +381,9 @@ class Saver:
             root = p.dest.root
             manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
                                                  self.options.block_size).renamed(lambda n: root.data_name(p.dest, n)),
-                               side_files=side_files.records(p.side_files))
+                               side_files={n: replace(r, stored="" if root.data_name(p.dest, n) == n
+                                                      else root.data_name(p.dest, n))
+                                           for n, r in side_files.records(p.side_files).items()})
         return SaveJob(p.dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
                        manifest=manifest, faults=self.faults, side_files=p.side_files)
 

@@ -13,7 +13,7 @@ Example::
 
     >>> from nostall.side_files import collect
     >>> [(n, len(b)) for n, b in collect({"huggingface/config.json": {"model_type": "gpt2"}, "note.txt": "hi"})]
-    [('huggingface/config.json', 25), ('note.txt', 2)]
+    [('huggingface/config.json', 27), ('note.txt', 2)]
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ SideFiles = Tuple[Tuple[str, bytes], ...]
 def collect(files: Mapping[str, Any], reserved: Iterable[str] = ()) -> SideFiles:
     """The side files ``files`` describes: name -> bytes, str (UTF-8), a JSON value (dict or list,
     written indented), or a path: a file's bytes, or every regular file under a directory, named
-    ``<name>/<its relative path>`` (symbolic links are refused, not followed).
+    ``<name>/<its relative path>`` (hidden entries, ``.name``, are left out; symbolic links are
+    refused, not followed). A name given twice (by a key and by a directory) is refused.
 
     Raises :class:`~nostall.InvalidStateError` naming the file for a bad name, a value of another
     type, a file too large (over 64 MiB) or a name in ``reserved`` (the data files' names).
@@ -45,10 +46,17 @@ def collect(files: Mapping[str, Any], reserved: Iterable[str] = ()) -> SideFiles
         raise InvalidStateError(f"files= must be a dict of name -> bytes, str, JSON value or path, got "
                                 f"{type(files).__name__}")
     out: Dict[str, bytes] = {}
+    origin: Dict[str, str] = {}  # name -> the key of files= it came from
+
+    def put(rel: str, data: bytes, key: str) -> None:
+        if rel in out:
+            raise InvalidStateError(f"side file {rel!r} is given twice: by {origin[rel]!r} and by {key!r}")
+        out[rel], origin[rel] = data, key
+
     for name, value in files.items():
         if isinstance(value, os.PathLike):
             for rel, data in _from_path(str(name), os.fspath(value)):
-                out[rel] = data
+                put(rel, data, str(name))
             continue
         if isinstance(value, (bytes, bytearray, memoryview)):
             data = bytes(value)
@@ -62,7 +70,7 @@ def collect(files: Mapping[str, Any], reserved: Iterable[str] = ()) -> SideFiles
         else:
             raise InvalidStateError(f"side file {name!r}: a {type(value).__name__}; give bytes, str, a JSON dict or "
                                     "list, or a pathlib.Path of a file or directory")
-        out[str(name)] = data
+        put(str(name), data, str(name))
     reserved = set(reserved)
     for name, data in out.items():
         problem = side_file_problem(name) or ("it is a data file's name" if name in reserved else None)
@@ -88,6 +96,8 @@ def _from_path(name: str, path: str) -> Iterable[Tuple[str, bytes]]:
     if not stat.S_ISDIR(mode):
         raise InvalidStateError(f"side file {name!r}: {path} is neither a regular file nor a directory")
     for entry in sorted(os.listdir(path)):
+        if entry.startswith("."):  # .gitattributes, .cache/: not the directory's content
+            continue
         yield from _from_path(f"{name}/{entry}", os.path.join(path, entry))
 
 
