@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -96,6 +96,9 @@ class Strategy:
         local_staging_dir: object storage: this host's local scratch where
             each rank stages its files before uploading them (default: under
             the temp dir). Must be node-local; see docs/topologies.md.
+        on_commit: ``fn(handle)`` once each save is committed, and only
+            then (a trainer's own marker, its retention, a notification);
+            see ``CheckpointManager``.
 
     Threading: every method may be called from any thread; the managers
     serialise concurrent calls. What ``save_checkpoint`` reads (parameters,
@@ -114,6 +117,7 @@ class Strategy:
         errors: str = "raise",
         storage_options: Optional[Dict[str, Any]] = None,
         local_staging_dir: Optional[str] = None,
+        on_commit: Optional[Callable[[SaveHandle], Any]] = None,
     ) -> None:
         self.layout = layout if layout is not None else ParallelLayout()
         self.options = Options(keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
@@ -121,6 +125,7 @@ class Strategy:
         self.storage_options = storage_options
         self.process_group = process_group
         self._managers: Dict[str, CheckpointManager] = {}
+        self.on_commit = on_commit
 
     # ------------------------------------------------------------------ state
     def build_state(
@@ -148,7 +153,8 @@ class Strategy:
         root = self._root(ckpt_dir)
         mgr = self._managers.get(root)
         if mgr is None:
-            mgr = CheckpointManager(root, process_group=self.process_group, options=self.options)
+            mgr = CheckpointManager(root, process_group=self.process_group, options=self.options,
+                                    on_commit=self.on_commit)
             self._managers[root] = mgr
         return mgr
 
