@@ -111,16 +111,19 @@ class CheckpointingMixin:
 
     # ------------------------------------------------------------------ the seam
     def save_checkpoint(self, model: Any, ckpt_dir: str, node_local_rank: int, optimizer: Any = None,
-                        scheduler: Any = None, tokenizer: Any = None) -> SaveHandle:
+                        scheduler: Any = None, tokenizer: Any = None, *, driver_state: Any = None) -> SaveHandle:
         """Save into ``ckpt_dir`` (collective). Returns once staged when saving asynchronously;
         the handle completes at the commit, after which :meth:`on_checkpoint_committed` runs.
 
         ``node_local_rank`` is accepted for the seam's sake: every rank writes its own pieces.
+        ``driver_state`` (not part of the seam; rank 0 only): the job driver's own state (its
+        data position, counters; JSON values and small tensors), committed in the same
+        checkpoint; :meth:`load_checkpoint` gives it back as ``states["driver"]``.
         """
         mgr = self.checkpoint_manager
         files = self.huggingface_files(model, tokenizer) if mgr.rank == 0 else None
         return mgr.save(None, model=model, optimizer=optimizer, scheduler=scheduler, rng=True,
-                        layout=self._nostall_layout, path=ckpt_dir, files=files)
+                        layout=self._nostall_layout, path=ckpt_dir, files=files, driver=driver_state)
 
     def load_checkpoint(self, model: Any, ckpt_dir: str, optimizer: Any = None, scheduler: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -128,14 +131,16 @@ class CheckpointingMixin:
         """Restore in place from ``ckpt_dir`` (finalizes pending saves first; not collective).
 
         Returns ``(ckpt_dir, states)``: ``states`` holds ``step`` (None: the
-        seam names no step), ``rng_restored`` and ``layout`` (the saving
-        run's tensor- and data-parallel sizes).
+        seam names no step), ``rng_restored``, ``layout`` (the saving run's
+        tensor- and data-parallel sizes) and ``driver`` (the ``driver_state``
+        saved with it, on every rank; None: none).
         """
         mgr = self.checkpoint_manager
         loaded = mgr.load(model=model, optimizer=optimizer if load_optimizer_states else None,
                           scheduler=scheduler if load_lr_scheduler_states else None, layout=self._nostall_layout,
                           path=ckpt_dir, strict=load_module_strict)
-        return loaded.path, {"step": loaded.step, "rng_restored": loaded.rng_restored, "layout": loaded.saved_layout}
+        return loaded.path, {"step": loaded.step, "rng_restored": loaded.rng_restored, "layout": loaded.saved_layout,
+                             "driver": loaded.driver}
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait (bounded) until the pending save is committed, or raise its error. Not collective;
