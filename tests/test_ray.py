@@ -56,7 +56,7 @@ def test_ray_exact_resume(trainers, tmp_path, loop):
     for s, v in second.losses.items():
         assert v == full.losses[s], f"{loop}: step {s}: {v!r} after resume, {full.losses[s]!r} uninterrupted"
     assert [s["step"] for s in full.saves] == [2, 4, 6, 8]
-    assert sorted(os.listdir(tmp_path / "a")) == [".tmp", "latest", "step_6", "step_8"]
+    assert sorted(os.listdir(tmp_path / "a")) == [".tmp", "latest", "step_6", "step_8", "trainer_marker.json"]
 
 
 class _LinearWorker(Worker):

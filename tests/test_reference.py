@@ -38,6 +38,12 @@ def _resume_roundtrip(pool, tmp_path, loop, tp, async_save):
     full = pool.run(_train, dict(loop=loop, tp=tp, ckpt_dir=str(tmp_path / "a"), async_save=async_save))
     first = pool.run(_train, dict(loop=loop, tp=tp, ckpt_dir=str(tmp_path / "b"), async_save=async_save,
                                   stop_after=N + 1))
+    # the trainer's marker names the last committed step (N), not the step the run stopped at
+    from nostall.reference.trainer import read_marker
+
+    marker = read_marker(str(tmp_path / "b"))  # written by rank 0 before its run() returned
+    assert marker["step"] == N and marker["loop"] == loop
+    assert marker["checkpoint"] == str(tmp_path / "b" / f"step_{N}")
     second = pool.run(_train, dict(loop=loop, tp=tp, ckpt_dir=str(tmp_path / "b"), async_save=async_save,
                                    resume="latest"))
     ref = {int(k): v for k, v in full[0]["losses"].items()}
@@ -63,8 +69,11 @@ def test_exact_resume_tp2(pool2, tmp_path, loop):
     full, second = _resume_roundtrip(pool2, tmp_path, loop, tp=2, async_save=True)
     saves = [s["step"] for s in full[0]["saves"]]
     assert saves == [2, 4, 6, 8] and all(s["async"] for s in full[0]["saves"])
-    # keep_last=2: only the two newest checkpoints remain
-    assert sorted(os.listdir(tmp_path / "a")) == [".tmp", "latest", "step_6", "step_8"]
+    # keep_last=2: only the two newest checkpoints remain, and the trainer's marker
+    assert sorted(os.listdir(tmp_path / "a")) == [".tmp", "latest", "step_6", "step_8", "trainer_marker.json"]
+    from nostall.reference.trainer import read_marker
+
+    assert read_marker(str(tmp_path / "a"))["step"] == 2 * N  # moved by the last save's commit callback
 
 
 @pytest.mark.parametrize("loop", ["sft", "sync_rl", "async_rl"])
@@ -148,3 +157,58 @@ def test_end_of_training_finalize_is_unconditional(pool2, tmp_path):
     assert saves[0]["async"]
     assert latest == 2 * N
     assert f"step_{2 * N}" in listing
+
+
+def _marker_around_a_failed_save(rank, world_size, root, async_save):
+    """Save at step 2, a save at step 4 whose write fails (a full disk), a save at step 5; rank 0 reads the
+    trainer's marker after each (written once finalize() returns)."""
+    import torch
+
+    from nostall.errors import CheckpointSaveError
+    from nostall.reference.trainer import Trainer, read_marker
+
+    torch.set_num_threads(1)
+    t = Trainer(_cfg(loop="sft", tp=2, ckpt_dir=root, ckpt_interval=0, async_save=async_save))
+    seen, loader, error = [], {}, None
+    try:
+        for step in range(1, 6):
+            t.train_step()
+            if step not in (2, 4, 5):
+                continue
+            loader[step] = t.loader.state_dict()
+            if step == 4:
+                t.strategy.manager(root)._faults.writer_fault = "enospc"
+            try:
+                t.save_checkpoint()
+                t.finalize()
+            except CheckpointSaveError as e:
+                error = (step, type(e).__name__)
+            t.strategy.manager(root)._faults.writer_fault = None
+            seen.append(read_marker(root))
+        return seen, loader, error, t.strategy.latest_step(root)
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_trainer_marker_moves_only_when_a_save_commits(pool2, tmp_path, async_save):
+    root = str(tmp_path / "m")
+    seen, loader, error, latest = pool2.run(_marker_around_a_failed_save, root, async_save)[0]
+    assert error == (4, "CheckpointSaveError") and latest == 5
+    assert loader[2] != loader[4]
+    after2, after_failed4, after5 = seen
+    assert after2 == {"step": 2, "loop": "sft", "loader": loader[2], "checkpoint": os.path.join(root, "step_2")}
+    assert after_failed4 == after2  # the failed save never reached the callback
+    assert after5 == {"step": 5, "loop": "sft", "loader": loader[5], "checkpoint": os.path.join(root, "step_5")}
+
+
+def test_trainer_marker_on_object_storage(s3, tmp_path):
+    """The marker of a ckpt_dir on s3:// is one object, replaced by one PUT."""
+    from nostall.reference.trainer import read_marker, write_marker
+
+    root = f"s3://{s3.make_bucket('marker')}/run"
+    assert read_marker(root, s3.storage_options) is None
+    write_marker(root, {"step": 2, "loader": {"epoch": 0, "index": 2}}, s3.storage_options)
+    write_marker(root, {"step": 4, "loader": {"epoch": 0, "index": 4}}, s3.storage_options)
+    assert read_marker(root, s3.storage_options) == {"step": 4, "loader": {"epoch": 0, "index": 4}}
+    assert [p.rsplit("/", 1)[-1] for p in s3.filesystem().ls("marker/run", refresh=True)] == ["trainer_marker.json"]

@@ -13,6 +13,12 @@ Every loop saves every ``ckpt_interval`` steps (and at the steps listed in
 ``save_at``), resumes from ``resume`` and finalizes pending saves at the end of
 training unconditionally. With fixed seeds on CPU a resumed run reproduces the
 uninterrupted one bit for bit.
+
+The trainer's own marker, ``<ckpt_dir>/trainer_marker.json`` (the last
+committed step, its checkpoint and the data loader's position there), is
+written by rank 0 in the strategy's ``on_commit`` callback: only once a save is
+durable, never right after the save call, so that it cannot name a checkpoint
+whose write then failed (:func:`read_marker` reads it).
 """
 
 from __future__ import annotations
@@ -32,9 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..handles import SaveHandle
 from ..integrations.strategy import ParallelLayout, Strategy
 from ..model import PerRank
+from ..remote import filesystem, is_remote, read_small, retry
+from ..storage import atomic_write
 from .data import Loader, make_corpus
 from .model import GPT, GPTConfig
 from .parallel import ParallelGroups, allreduce_dp_grads, gather_full_state, init_parallel
@@ -42,6 +51,37 @@ from .parallel import ParallelGroups, allreduce_dp_grads, gather_full_state, ini
 log = logging.getLogger("nostall.reference")
 
 LOOPS = ("sft", "sync_rl", "async_rl")
+
+MARKER = "trainer_marker.json"
+_MARKER_LIMIT = 1 << 16  # bytes: a marker is a few hundred
+
+
+def write_marker(ckpt_dir: str, record: Dict[str, Any], storage_options: Optional[Dict[str, Any]] = None,
+                 timeout: float = 300.0) -> None:
+    """Replace ``<ckpt_dir>/trainer_marker.json`` with ``record`` atomically (a rename on a filesystem,
+    one PUT on object storage)."""
+    data = json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"
+    if is_remote(ckpt_dir):
+        fs, key = filesystem(f"{ckpt_dir.rstrip('/')}/{MARKER}", storage_options)
+        retry(f"write {ckpt_dir}/{MARKER}", lambda: fs.pipe_file(key, data), deadline=time.monotonic() + timeout)
+    else:
+        atomic_write(os.path.join(ckpt_dir, MARKER), data)
+
+
+def read_marker(ckpt_dir: str, storage_options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
+    """The trainer's marker under ``ckpt_dir`` (None: none written yet)."""
+    try:
+        if is_remote(ckpt_dir):
+            raw = read_small(f"{ckpt_dir.rstrip('/')}/{MARKER}", _MARKER_LIMIT, storage_options)
+        else:
+            with open(os.path.join(ckpt_dir, MARKER), "rb") as f:
+                raw = f.read(_MARKER_LIMIT + 1)
+    except (FileNotFoundError, CheckpointNotFoundError):
+        return None
+    if len(raw) > _MARKER_LIMIT:
+        raise CheckpointError(f"{ckpt_dir}/{MARKER}: more than {_MARKER_LIMIT} bytes; not a trainer marker")
+    record: Dict[str, Any] = json.loads(raw)
+    return record
 
 
 @dataclass
@@ -188,9 +228,15 @@ class Trainer:
         # TP peers draw the same samples (same RNG stream); DP ranks differ
         torch.manual_seed(cfg.seed + 7919 * lay.dp_rank)
         random.seed(cfg.seed + 7919 * lay.dp_rank)
+        # what the marker will record for each save in flight, by step (see _on_commit)
+        self._marks: Dict[int, Dict[str, Any]] = {}
+        self._marks_lock = threading.Lock()
+        self._marked = threading.Condition()  # rank 0: the newest step whose marker write has finished
+        self._marked_step = -1
+        # (a strategy passed in keeps its own on_commit: no trainer marker then)
         self.strategy = strategy or Strategy(
             lay, async_save=cfg.async_save, overlap=cfg.overlap, keep_last=cfg.keep_last, timeout=cfg.timeout,
-            storage_options=cfg.storage_options, local_staging_dir=cfg.local_staging_dir,
+            storage_options=cfg.storage_options, local_staging_dir=cfg.local_staging_dir, on_commit=self._on_commit,
         )
         self._handles: List[Tuple[Dict[str, Any], Any]] = []  # (save record, its handle)
         self.step = 0
@@ -223,6 +269,8 @@ class Trainer:
         if self.cfg.loop == "async_rl" and self.step + 1 not in self._rollouts:
             # the batch in flight is part of the state: wait for it (the next step needs it anyway)
             self._rollouts[self.step + 1] = self._take(self.step + 1)
+        with self._marks_lock:  # before the call: a synchronous save commits (and calls back) inside it
+            self._marks[self.step] = {"step": self.step, "loop": self.cfg.loop, "loader": self.loader.state_dict()}
         t0 = time.perf_counter()
         handle = self.strategy.save_checkpoint(
             self.cfg.ckpt_dir, self.step, self.model, self.optimizer, self.scheduler, self._extra(),
@@ -237,6 +285,39 @@ class Trainer:
         log.info("rank %d: step %d saved (%s), training blocked %.1f ms", self.rank, self.step,
                  "async" if rec["async"] else "sync", stall * 1e3)
         return rec
+
+    def _on_commit(self, handle: SaveHandle) -> None:
+        """The strategy's commit callback: the save of ``handle.step`` is durable, so rank 0 moves the
+        trainer's marker to it. Runs in whatever thread learns the commit; a failed save never gets here
+        and leaves the marker on the previous committed step."""
+        with self._marks_lock:
+            mark = self._marks.pop(handle.step, None) if handle.step is not None else None
+            for older in [s for s in self._marks if handle.step is not None and s < handle.step]:
+                del self._marks[older]  # saves that failed: never committed, never marked
+        if self.rank != 0 or handle.step is None:
+            return
+        try:
+            if mark is not None:
+                write_marker(self.cfg.ckpt_dir, {**mark, "checkpoint": handle.path}, self.cfg.storage_options,
+                             self.cfg.timeout)
+                log.info("marker %s/%s: step %d", self.cfg.ckpt_dir, MARKER, mark["step"])
+        finally:
+            with self._marked:
+                self._marked_step = max(self._marked_step, handle.step)
+                self._marked.notify_all()
+
+    def _wait_for_marker(self) -> None:
+        """Rank 0: wait (bounded) until the commit callbacks of the saves that committed have finished
+        with the marker: one may still be running in its handle's watcher thread when
+        ``finalize_pending_saves`` returns, and a process that exits then would lose it."""
+        if self.rank != 0 or self.strategy.on_commit != self._on_commit:
+            return
+        committed = [h.step for _, h in self._handles if h.done() and h.exception(0) is None and h.step is not None]
+        if not committed:
+            return
+        with self._marked:
+            if not self._marked.wait_for(lambda: self._marked_step >= max(committed), self.cfg.timeout):
+                log.warning("the marker for step %d was not written within %.0fs", max(committed), self.cfg.timeout)
 
     def maybe_save(self) -> Optional[Dict[str, Any]]:
         """Save if the current step is due (every ``ckpt_interval`` steps, or listed in ``save_at``)."""
@@ -281,12 +362,14 @@ class Trainer:
         self.strategy.prepare_checkpoint(self.cfg.ckpt_dir, self.model, self.optimizer, self.scheduler, extra)
 
     def finalize(self) -> None:
-        """End of training: wait for every pending save, whatever triggered it.
+        """End of training: wait for every pending save, whatever triggered it, and (rank 0) for the
+        marker to name the last committed one.
 
         Then each save's record gets its full stall: with overlap, the time the
         optimizer step waited for the copy is part of it.
         """
         self.strategy.finalize_pending_saves()
+        self._wait_for_marker()
         for rec, handle in self._handles:
             if handle.done() and handle.exception() is None and handle.stats is not None:
                 rec["stall_s"] = handle.stats.stall_s
@@ -426,11 +509,13 @@ class Trainer:
         return stall
 
     def close(self) -> None:
-        """Stop the producer, close the strategy (finalizing) and free the process groups."""
+        """Stop the producer, close the strategy (finalizing; rank 0: the marker written) and free the
+        process groups."""
         try:
             if self._producer is not None:
                 self._producer.stop()
                 self._producer = None
             self.strategy.close()
+            self._wait_for_marker()  # (when finalize() did not run: a Ray driver finalizes the strategy itself)
         finally:
             self.groups.destroy()
