@@ -105,6 +105,9 @@ class SaveHandle:
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._callbacks: List[Callable[["SaveHandle"], Any]] = []
+        self._running = 0  # callbacks being run now, by any thread
+        self._idle = threading.Event()  # set when no callback is running
+        self._idle.set()
         self._watcher: Optional[threading.Thread] = None
 
     def _set_result(self, stats: SaveStats) -> None:
@@ -120,11 +123,25 @@ class SaveHandle:
 
     def _run_callbacks(self) -> None:
         with self._lock:
-            if not self._done.is_set():
+            if not self._done.is_set() or not self._callbacks:
                 return
             callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            self._call(fn)
+            self._running += 1
+            self._idle.clear()
+        try:
+            for fn in callbacks:
+                self._call(fn)
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._idle.set()
+
+    def _finish_callbacks(self, timeout: float) -> None:
+        """Run the callbacks due, and wait (bounded) for any another thread is running now."""
+        self._run_callbacks()
+        if not self._idle.wait(timeout):
+            log.warning("a done callback of the save of step %s still runs after %.0fs", self.step, timeout)
 
     def _call(self, fn: Callable[["SaveHandle"], Any]) -> None:
         try:

@@ -550,18 +550,21 @@ class CheckpointManager:
         Once it returns, the commit callbacks of the saves it waited for
         (``on_commit``, ``add_done_callback``) have run.
         """
-        with self._lock:
-            handle = self._pending[1] if self._pending is not None else None
-            try:
+        handle = None
+        try:
+            with self._lock:
+                handle = self._pending[1] if self._pending is not None else None
                 self._settle(timeout)
-            finally:
-                if handle is not None and handle.done():
-                    handle._run_callbacks()  # here rather than later in the handle's watcher thread
-            if self._unraised is not None:
-                e, self._unraised = self._unraised, None
-                if self.options.errors == "raise":
-                    raise e
-                log.error("%s (errors='log': training goes on)", e)
+                if self._unraised is not None:
+                    e, self._unraised = self._unraised, None
+                    if self.options.errors == "raise":
+                        raise e
+                    log.error("%s (errors='log': training goes on)", e)
+        finally:
+            if handle is not None and handle.done():
+                # here rather than later in the handle's watcher thread, outside the lock (a callback may
+                # call the manager); one the watcher is running now is waited for (bounded)
+                handle._finish_callbacks(self.options.timeout)
 
     def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
