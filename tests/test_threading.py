@@ -86,5 +86,5 @@ def test_demo_main_job_smoke(tmp_path):
     assert "reproduces the interrupted one bit for bit" in proc.stdout
     assert "steps 4-5 were trained by both runs" in proc.stdout
     assert png.stat().st_size > 10_000
-    assert sorted(os.listdir(out / "ckpts")) == [".tmp", "latest", "step_6", "step_9"]
+    assert sorted(os.listdir(out / "ckpts")) == [".tmp", "latest", "step_6", "step_9", "trainer_marker.json"]
     assert not os.path.exists(str(out) + "-sync-reference")

@@ -542,7 +542,11 @@ class PosixRoot(Root):
                 continue
             entry = os.path.join(tmp, f"{m.group(1)}-{m.group(2)}")
             if self._remove_ours(entry, m.group(2)) and n == os.path.basename(entry):
-                log.info("removed %s, left by an interrupted save", entry)
+                # a commit's records outlive the save until the next one (the other ranks may still read
+                # the outcome when the job ends): only other entries are an interrupted save's
+                why = "the records of the previous job's last save" if m.group(1) == "commit" else \
+                    "left by an interrupted save"
+                log.info("removed %s, %s", entry, why)
 
     # ------------------------------------------------------------------ one save
     def make_staging(self, dest: Destination) -> None:
