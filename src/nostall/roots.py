@@ -542,11 +542,9 @@ class PosixRoot(Root):
                 continue
             entry = os.path.join(tmp, f"{m.group(1)}-{m.group(2)}")
             if self._remove_ours(entry, m.group(2)) and n == os.path.basename(entry):
-                # a commit's records outlive the save until the next one (the other ranks may still read
-                # the outcome when the job ends): only other entries are an interrupted save's
-                why = "the records of the previous job's last save" if m.group(1) == "commit" else \
-                    "left by an interrupted save"
-                log.info("removed %s, %s", entry, why)
+                # (a commit's records outlive a completed save until the next one: the other ranks may still
+                # read its outcome when the job ends; so a leftover here is not always an interrupted save's)
+                log.info("removed %s, left by an earlier save", entry)
 
     # ------------------------------------------------------------------ one save
     def make_staging(self, dest: Destination) -> None:
