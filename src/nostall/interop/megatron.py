@@ -49,6 +49,7 @@ import torch
 
 from .._dtypes import dtype_code
 from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, InvalidStateError, describe
+from ..manager import CheckpointManager
 from ..model import ShardedTensor as NostallShardedTensor
 from ..model import check_json, escape_component, numel, to_json
 from ._common import _Source, join_components, nest
@@ -136,7 +137,7 @@ def _tensor_piece(st: Any, where: str) -> Optional[_Piece]:
     if len(gshape) != len(goff) or len(chunk) + p != len(gshape):
         raise InvalidStateError(f"{where}: ShardedTensor {st.key!r}: inconsistent shapes {gshape}, {goff}, {chunk}")
     layout: Dict[str, Any] = {"shape": list(gshape), "prepend": p, "dtype": code, "flat": None}
-    fr = getattr(st, "flattened_range", None)
+    fr = st.flattened_range
     if fr is None:
         if tuple(st.data.shape) != chunk:
             raise InvalidStateError(f"{where}: ShardedTensor {st.key!r}: data shape {tuple(st.data.shape)} "
@@ -320,7 +321,7 @@ def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
 
 
 def _is_manager(target: Any) -> bool:
-    return hasattr(target, "path_for") and hasattr(target, "latest_step") and hasattr(target, "save")
+    return isinstance(target, CheckpointManager)
 
 
 def save(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strategy: Any = None,
@@ -360,8 +361,7 @@ def save(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
 def _resolve(checkpoint_dir: Any, step: Optional[int]) -> str:
     if _is_manager(checkpoint_dir):
         mgr = checkpoint_dir
-        if hasattr(mgr, "finalize_pending_saves"):
-            mgr.finalize_pending_saves()
+        mgr.finalize_pending_saves()
         s = step if step is not None else mgr.latest_step()
         if s is None:
             from ..errors import CheckpointNotFoundError
@@ -487,11 +487,22 @@ class _Loader:
 
     # ---------------------------------------------------------------- leaves
     def tensor(self, st: Any) -> torch.Tensor:
+        """Fill ``st.data`` (or a new tensor) from the checkpoint and return it.
+
+        Every view and copy is made under no_grad: ``st.data`` is often a view of a
+        parameter that Megatron made under no_grad (e.g. the SwiGLU factory's halves),
+        and autograd forbids narrowing such a view in grad mode once its base is
+        written in place.
+        """
+        with torch.no_grad():
+            return self._tensor(st)
+
+    def _tensor(self, st: Any) -> torch.Tensor:
         p = int(st.prepend_axis_num)
         gshape = tuple(int(x) for x in st.global_shape)
         goff = tuple(int(x) for x in st.global_offset)
         chunk = tuple(int(x) for x in st.local_shape)
-        fr = getattr(st, "flattened_range", None)
+        fr = st.flattened_range
         data = st.data
         if data is None:
             data = torch.empty(chunk if fr is None else (int(fr.stop) - int(fr.start or 0),), dtype=st.dtype)
@@ -540,10 +551,24 @@ class _Loader:
         return data
 
     def object(self, ob: Any) -> Any:
-        objs = (self.meta or {}).get("objects") or {}
-        if ob.unique_key not in objs:
-            raise CheckpointLoadError(f"ShardedObject {ob.unique_key!r}: not in the checkpoint at {self.src.path}")
-        return _like(ob.data, objs[ob.unique_key])
+        if self.meta is not None:
+            objs = self.meta.get("objects") or {}
+            if ob.unique_key not in objs:
+                raise CheckpointLoadError(f"ShardedObject {ob.unique_key!r}: not in the checkpoint at {self.src.path}")
+            return _like(ob.data, objs[ob.unique_key])
+        # no layout record: an imported torch_dist checkpoint. Megatron stores each
+        # ShardedObject under its unique key as the list of its data on the saving rank
+        # (one entry per local occurrence, all the same object), imported as a JSON value.
+        stored = self.src.manifest.objects.get(escape_component(ob.unique_key), _DROP)
+        if stored is _DROP:
+            raise CheckpointLoadError(
+                f"ShardedObject {ob.unique_key!r}: not in the checkpoint at {self.src.path} (a torch_dist import "
+                "keeps only JSON values: was it imported with --skip-unsupported?)")
+        if not isinstance(stored, list) or not stored:
+            raise CheckpointLoadError(
+                f"ShardedObject {ob.unique_key!r}: the checkpoint at {self.src.path} has no Megatron layout record "
+                f"and holds {type(stored).__name__} under this key, not torch_dist's list of the object's values")
+        return _like(ob.data, stored[0])
 
     def common(self) -> Dict[str, Any]:
         skel = (self.meta or {}).get("common")
