@@ -219,3 +219,47 @@ def test_megatron_manager_and_torch_dist_import(tmp_path):
                 out = megatron.load({"q": st, "e": st2}, str(tmp_path / "imported"))
                 assert torch.equal(out["q"], want)
                 assert torch.equal(out["e"], full(EMB, SHAPES[EMB])[8:])
+
+
+def test_megatron_load_into_no_grad_views_of_a_parameter(tmp_path):
+    """Megatron's factories split a parameter under no_grad; the loader narrows and fills
+    those views (stored boxes other than the template's) without autograd's view error."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from nostall.interop import megatron
+
+    full_w = full("w", (8, 4))
+    root = str(tmp_path / "boxes")
+    # two boxes of one tensor on one rank: stored as boxes (rows 0:4 and 4:8)
+    megatron.save({"a": ShardedTensor.from_rank_offsets("w", full_w[:4].clone(), (0, 0, 2)),
+                   "b": ShardedTensor.from_rank_offsets("w", full_w[4:].clone(), (0, 1, 2))}, root)
+    param = torch.nn.Parameter(torch.zeros(4, 4))
+    with torch.no_grad():  # as Megatron's SwiGLU factory does: rows 2:4 and 4:6 of the tensor
+        lo, hi = param.chunk(2)
+    tmpl = {"lo": ShardedTensor.from_rank_offsets("w", lo, (0, 1, 4)),
+            "hi": ShardedTensor.from_rank_offsets("w", hi, (0, 2, 4))}
+    out = megatron.load(tmpl, root)
+    assert torch.equal(param.detach(), full_w[2:6])
+    assert torch.equal(out["lo"], full_w[2:4]) and torch.equal(out["hi"], full_w[4:6])
+
+
+def test_megatron_torch_dist_objects_without_layout_record(tmp_path):
+    """An imported torch_dist checkpoint (no layout record) holds each ShardedObject as the
+    list of its values under its unique key; anything else there is refused by name."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    import nostall
+    from nostall.interop import megatron
+    from nostall.interop.dcp import import_dcp
+
+    dcp.save({"rng/shard_0_1": [{"seed": 7, "pair": [1, 2]}], "bad/shard_0_1": {"not": "a list"},
+              "t": torch.ones(2)}, checkpoint_id=str(tmp_path / "td"))
+    import_dcp(str(tmp_path / "td"), str(tmp_path / "imported"))
+    out = megatron.load({"rng": ShardedObject("rng", {"seed": 0, "pair": (0, 0)}, (1,), (0,))},
+                        str(tmp_path / "imported"))
+    assert out["rng"] == {"seed": 7, "pair": (1, 2)}  # shaped like the template (a tuple)
+    with pytest.raises(nostall.CheckpointLoadError, match="'bad/shard_0_1'.*not torch_dist's list"):
+        megatron.load({"b": ShardedObject("bad", None, (1,), (0,))}, str(tmp_path / "imported"))
+    with pytest.raises(nostall.CheckpointLoadError, match="'gone/shard_0_1': not in the checkpoint"):
+        megatron.load({"g": ShardedObject("gone", None, (1,), (0,))}, str(tmp_path / "imported"))

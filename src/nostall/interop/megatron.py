@@ -628,7 +628,9 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
     :class:`~nostall.CheckpointManager` (``step``, default its latest). A
     checkpoint without the adapter's layout record (e.g. a Megatron
     ``torch_dist`` checkpoint imported with ``nostall convert --from dcp``) is
-    read with every tensor stored whole under its Megatron key.
+    read with every tensor stored whole under its Megatron key, and every
+    ``ShardedObject`` from the JSON value the import made of it (torch_dist
+    stores an object as the list of its values on the saving rank).
     """
     if sharded_strategy is not None or common_strategy is not None:
         raise ValueError("nostall is the checkpoint strategy: leave sharded_strategy and common_strategy as None")
