@@ -18,6 +18,35 @@
 Key mapping: a nostall key's components joined with ``.`` are the DCP fully
 qualified name, as DCP's own flattening of nested dicts produces it
 (``model/layer.weight`` <-> ``model.layer.weight``).
+
+Names. ``dcp.load`` flattens the caller's state dict and asks the reader for
+one item per leaf, named by the leaf's path joined with ``.``. Since torch 2.4
+(``torch/distributed/checkpoint/_traverse.py``, ``traverse_state_dict``):
+
+* a dict is always descended into (its keys as ``str``); an empty dict has no
+  leaf at all;
+* a list is descended into (indices ``0``, ``1`` ...) when it holds a dict, a
+  tensor, or a list that is itself descended into; otherwise (scalars,
+  strings, tuples, ``None``, flat lists, the empty list) it is one leaf;
+* a tuple, and anything else, is one leaf.
+
+Tensor leaves are tensor items; every other leaf is a "bytes" item, which
+the reader answers with a ``torch.save`` of the value. So an optimizer's
+``param_groups`` is asked for as ``optim.param_groups.0.lr``,
+``optim.param_groups.0.betas`` (the tuple as one item),
+``optim.param_groups.0.params`` ..., never as one ``optim.param_groups`` item.
+
+:class:`Reader` names a checkpoint's JSON values exactly that way. It offers
+no other (pre-2.4) forms: DCP looks at the old flattening only when the
+checkpoint's metadata has keys that the new flattening of the caller's state
+does not produce, and then switches the *whole* load to the old flattening
+if any of them match -- so offering old names next to the new ones would
+push every load onto that path (and nostall requires torch >= 2.4, whose
+loads never ask for old names first).
+
+A value stored as JSON has lost the difference between a tuple and a list;
+where the caller's state holds a tuple at that place (an optimizer's
+``betas``), the value is handed back as a tuple.
 """
 
 from __future__ import annotations
@@ -25,7 +54,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.futures import Future
@@ -50,7 +79,7 @@ from ._common import PieceSource, Progress, ProgressFn, TensorSource, split_key,
 
 log = logging.getLogger("nostall.interop")
 
-__all__ = ["Reader", "import_dcp", "fqn_of"]
+__all__ = ["Reader", "import_dcp", "fqn_of", "dcp_leaves"]
 
 
 def fqn_of(key: str) -> str:
@@ -128,6 +157,9 @@ class Reader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         m = self._load_manifest()
+        # DefaultLoadPlanner keeps the caller's state, flattened, as `state_dict` (fqn -> value): where it
+        # holds a tuple, the JSON value (a list) is handed back as one
+        template = getattr(planner, "state_dict", None)
         files = _open_files(self._path(), m, self.storage_options)
         try:
             tensor_items = []
@@ -136,8 +168,11 @@ class Reader(StorageReader):
                     fqn = item.storage_index.fqn
                     if fqn not in self._objects:
                         raise CheckpointLoadError(f"{fqn!r}: no such value in the checkpoint at {self.path}")
+                    value = self._objects[fqn]
+                    if isinstance(template, Mapping):
+                        value = _like(template.get(item.dest_index.fqn), value)
                     buf = io.BytesIO()
-                    torch.save(self._objects[fqn], buf)  # a JSON value we decoded ourselves
+                    torch.save(value, buf)  # a JSON value we decoded ourselves
                     buf.seek(0)
                     planner.load_bytes(item, buf)
                 elif numel(tuple(item.lengths)) == 0:  # nothing to copy (an empty tensor or region)
@@ -180,7 +215,6 @@ class Reader(StorageReader):
         if self._manifest is None:
             m = read_manifest(self._path(), self.storage_options)
             keys: Dict[str, str] = {}
-            objects: Dict[str, Any] = {}
             for key in m.tensors:
                 fqn = fqn_of(key)
                 if fqn in keys:
@@ -188,11 +222,16 @@ class Reader(StorageReader):
                         f"keys {keys[fqn]!r} and {key!r} both map to the DCP name {fqn!r} ({self.path})"
                     )
                 keys[fqn] = key
+            objects: Dict[str, Any] = {}
+            owner: Dict[str, str] = {}  # fqn -> the nostall key of the value it comes from
             for key, value in m.objects.items():
-                _expand_object(split_key(key), value, objects)
-            for fqn in objects:
-                if fqn in keys:
-                    raise CheckpointLoadError(f"the DCP name {fqn!r} is both a tensor and a value in {self.path}")
+                for fqn, leaf in _leaves(fqn_of(key), value):
+                    if fqn in keys or fqn in objects:
+                        other = keys.get(fqn) or owner[fqn]
+                        where = f"twice from {key!r}" if other == key else f"from both {other!r} and {key!r}"
+                        raise CheckpointLoadError(f"the DCP name {fqn!r} comes {where} in {self.path}")
+                    objects[fqn] = leaf
+                    owner[fqn] = key
             self._manifest, self._keys, self._objects = m, keys, objects
         return self._manifest
 
@@ -210,14 +249,43 @@ class Reader(StorageReader):
         raise CheckpointLoadError(f"{fqn!r}: no piece at offset {list(offset)} in {self.path}")
 
 
-def _expand_object(path: List[str], value: Any, out: Dict[str, Any]) -> None:
-    """DCP names for a JSON value as DCP's flattening would produce them: dicts are
-    traversed, anything else (lists included) is one item."""
-    if isinstance(value, dict) and value:
+def dcp_leaves(name: str, value: Any) -> Dict[str, Any]:
+    """The DCP items of the JSON value ``value`` at DCP name ``name``: ``{fqn: leaf}``,
+    as ``dcp.load`` (torch >= 2.4) flattens that value in a state dict (module docstring).
+    ValueError if two items get the same name (``{"a.b": 1, "a": {"b": 2}}``), as DCP's does."""
+    out: Dict[str, Any] = {}
+    for fqn, leaf in _leaves(name, value):
+        if fqn in out:
+            raise ValueError(f"two items of the value at {name!r} have the DCP name {fqn!r}")
+        out[fqn] = leaf
+    return out
+
+
+def _leaves(name: str, value: Any) -> Iterator[Tuple[str, Any]]:
+    if isinstance(value, Mapping):
         for k, v in value.items():
-            _expand_object(path + [str(k)], v, out)
+            yield from _leaves(f"{name}.{k}", v)
+    elif isinstance(value, list) and _descended(value):
+        for i, v in enumerate(value):
+            yield from _leaves(f"{name}.{i}", v)
     else:
-        out[".".join(path)] = value
+        yield name, value
+
+
+def _descended(value: List[Any]) -> bool:
+    """Whether DCP descends into this list (JSON: no tensors): it holds a dict, or a list it descends into."""
+    return any(isinstance(v, Mapping) or (isinstance(v, list) and _descended(v)) for v in value)
+
+
+def _like(current: Any, saved: Any) -> Any:
+    """``saved`` (JSON: lists) with a tuple wherever the caller's ``current`` value has a plain tuple."""
+    if type(current) is tuple and isinstance(saved, list) and len(saved) == len(current):
+        return tuple(_like(c, s) for c, s in zip(current, saved))
+    if isinstance(current, list) and isinstance(saved, list) and len(saved) == len(current):
+        return [_like(c, s) for c, s in zip(current, saved)]
+    if isinstance(current, Mapping) and isinstance(saved, dict):
+        return {k: _like(current.get(k), v) for k, v in saved.items()}
+    return saved
 
 
 # --------------------------------------------------------------------------- importing DCP into nostall
