@@ -736,13 +736,26 @@ def _remove_remote(url: str, storage_options: Optional[Dict[str, Any]]) -> None:
         print(f"could not remove {url}: {e}", file=sys.stderr)
 
 
+MODES = {"train": "nostall.bench_train", "scale": "nostall.bench_scale"}
+"""``nostall bench MODE ...``: the other benchmarks, each in its own module with its own ``main(argv)``."""
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    import importlib
+
     from .cli import storage_options_arg
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in MODES:
+        mode_main: Callable[[List[str]], int] = importlib.import_module(MODES[argv[0]]).main
+        return mode_main(argv[1:])
 
     ap = argparse.ArgumentParser(prog="nostall bench",
                                  description="Benchmark nostall side by side with PyTorch DCP, torch.save and the "
                                              "machine's limits (a copy and a sequential write of the same bytes). "
-                                             "Progress goes to stderr, the table to stdout.")
+                                             "Progress goes to stderr, the table to stdout. Other modes: "
+                                             "'nostall bench train -h' (what a training loop pays per save, end "
+                                             "to end), 'nostall bench scale -h' (cost as the work grows).")
     ap.add_argument("--ranks", type=int, default=2, metavar="N",
                     help="processes (gloo ranks on this machine), each saving its shard of the state "
                          "(default: %(default)s)")
