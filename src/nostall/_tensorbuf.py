@@ -20,11 +20,14 @@ def host_contiguous(t: torch.Tensor) -> torch.Tensor:
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable memoryview over the bytes of a contiguous CPU tensor.
 
-    The caller keeps ``t`` alive while the view is used.
+    The view (and every slice of it) keeps ``t`` alive: a checksum thread may
+    still read it after the code that made it has let ``t`` go.
     """
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray(0))
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    raw = (ctypes.c_char * n).from_address(t.data_ptr())
+    raw.owner = t  # type: ignore[attr-defined]  # the memory's owner lives as long as the view
+    return memoryview(raw).cast("B")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._faults import crash_point
@@ -64,9 +65,49 @@ def steps_to_delete(committed: Sequence[int], keep_last: Optional[int], just_com
     return [s for s in steps if s not in keep]
 
 
-def write_file_image(path: str, header: memoryview, parts: Parts, size: int, block_size: int, name: str) -> Crcs:
-    """Write ``header`` then each ``(start, buffer)`` part, fsync; return the parts' block checksums."""
-    crcs: Crcs = {}
+class Checksums:
+    """The block checksums of a job's pieces, computed in one thread beside the writes.
+
+    :meth:`add` hands over a buffer and returns at once; the thread takes its
+    CRC32C blocks (the library releases the GIL) while the caller writes the
+    same bytes, so a save costs the write, not the write plus a checksum
+    pass. A buffer must stay unchanged until :meth:`drain` (or
+    :meth:`result`) returns. Use as a context manager: the thread ends on
+    exit, also on error.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-checksum")
+        self._pending: Dict[Tuple[str, int, int], List["Future[List[int]]"]] = {}
+
+    def __enter__(self) -> "Checksums":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def add(self, piece: Tuple[str, int, int], buf: memoryview) -> None:
+        """Checksum ``buf``, the next bytes of ``piece`` (file, start, end), block-aligned within it."""
+        self._pending.setdefault(piece, []).append(self._pool.submit(block_crcs, buf, self.block_size))
+
+    def expect(self, piece: Tuple[str, int, int]) -> None:
+        """``piece`` is part of the job even if no bytes of it come (an empty piece)."""
+        self._pending.setdefault(piece, [])
+
+    def drain(self) -> None:
+        """Wait until every buffer handed over so far is checksummed (it may then be reused)."""
+        for futures in self._pending.values():
+            for f in futures:
+                f.result()
+
+    def result(self) -> Crcs:
+        return {k: tuple(c for f in fs for c in f.result()) for k, fs in self._pending.items()}
+
+
+def write_file_image(path: str, header: memoryview, parts: Parts, size: int, sums: Checksums, name: str,
+                     pacer: Optional[storage.Pacer] = None) -> None:
+    """Write ``header`` then each ``(start, buffer)`` part and fsync; each part goes to ``sums``."""
 
     def chunks() -> Iterable[memoryview]:
         yield memoryview(header)
@@ -74,25 +115,25 @@ def write_file_image(path: str, header: memoryview, parts: Parts, size: int, blo
         for start, buf in parts:
             if start != pos:
                 raise RuntimeError(f"{path}: piece at byte {start} but the file is at byte {pos}")
-            crcs[(name, start, start + len(buf))] = tuple(block_crcs(buf, block_size))
+            sums.add((name, start, start + len(buf)), buf)
             yield buf
             pos += len(buf)
 
-    n = storage.write_file(path, chunks())
+    n = storage.write_file(path, chunks(), pacer)
     if n != size:
         raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {size}")
-    return crcs
 
 
 def write_files(source: FileSource) -> Writer:
     """A :data:`Writer` that writes each file of a job from ``source``."""
 
     def write(job: SaveJob, staging: str) -> Crcs:
-        crcs: Crcs = {}
-        for i, f in enumerate(job.files):
-            header, parts = source(i, f)
-            crcs.update(write_file_image(os.path.join(staging, f.name), header, parts, f.size, job.block_size, f.name))
-        return crcs
+        pacer = storage.Pacer(job.max_write_rate)
+        with Checksums(job.block_size) as sums:
+            for i, f in enumerate(job.files):
+                header, parts = source(i, f)
+                write_file_image(os.path.join(staging, f.name), header, parts, f.size, sums, f.name, pacer)
+            return sums.result()
 
     return write
 

@@ -102,6 +102,7 @@ class SaveJob:
     faults: Faults = field(default_factory=Faults)
     chunked: bool = False  # the files' bytes come chunk by chunk after the job
     side_files: Tuple[Tuple[str, bytes], ...] = ()  # rank 0: small files committed with the checkpoint
+    max_write_rate: Optional[float] = None  # bytes/s cap on this rank's writes (Options.max_write_rate)
 
     @property
     def step(self) -> Optional[int]:

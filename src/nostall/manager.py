@@ -114,6 +114,10 @@ class CheckpointManager:
             save whose copies differ, naming the key and the ranks. None
             (default): on the first save and whenever the plan changes;
             True: at every save; False: never.
+        max_write_rate: async saves only: the most bytes per second each
+            rank's background writer writes (None: no cap). Trades time until
+            durable for less interference with training; see
+            :class:`~nostall.Options`.
         on_commit: ``fn(handle)``, called once each save of this manager is
             committed (durable and visible), and only then: write the
             trainer's own "latest" marker, delete old checkpoints, upload,
@@ -160,6 +164,7 @@ class CheckpointManager:
         overlap: bool = False,
         staging_budget_bytes: Optional[int] = None,
         check_replicas: Optional[bool] = None,
+        max_write_rate: Optional[float] = None,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -168,7 +173,7 @@ class CheckpointManager:
                 keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
                 block_size=block_size, storage_options=storage_options, local_staging_dir=local_staging_dir,
                 fallback_sync=fallback_sync, overlap=overlap, staging_budget_bytes=staging_budget_bytes,
-                check_replicas=check_replicas,
+                check_replicas=check_replicas, max_write_rate=max_write_rate,
             )
         if read_only and options.async_save:
             options = options.but(async_save=False)

@@ -73,6 +73,12 @@ class Options:
             every rank, naming the key and the ranks. ``None`` (default): on
             a manager's first save and whenever the plan changes; ``True``:
             every save; ``False``: never.
+        max_write_rate: async saves: the most bytes per second the
+            background writer writes (None: as fast as it can). A cap trades
+            time until durable for less interference with training (disk,
+            memory bandwidth, CPU); ``nostall bench train`` shows the trade.
+            Local and shared filesystems; an object-storage upload is not
+            paced.
     """
 
     keep_last: Optional[int] = None
@@ -86,6 +92,7 @@ class Options:
     overlap: bool = False
     staging_budget_bytes: Optional[int] = None
     check_replicas: Optional[bool] = None
+    max_write_rate: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -105,6 +112,11 @@ class Options:
         object.__setattr__(self, "timeout", float(self.timeout))
         if self.check_replicas is not None and not isinstance(self.check_replicas, bool):
             raise ValueError(f"check_replicas must be None, True or False, got {self.check_replicas!r}")
+        if self.max_write_rate is not None and (isinstance(self.max_write_rate, bool)
+                                                or not isinstance(self.max_write_rate, (int, float))
+                                                or not self.max_write_rate >= 1 << 20):
+            raise ValueError(f"max_write_rate must be None or a number of bytes per second of at least 1 MiB/s "
+                             f"(1048576), got {self.max_write_rate!r}")
         for name in ("async_save", "fallback_sync", "overlap"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 

@@ -439,7 +439,8 @@ class Saver:
         crash_point("planned", p.step)
         writer.ensure_alive()
         files = p.plan.files_of(self.comm.rank)
-        pending = PendingSave(p, self._job(p, ()), t_start=t_start)
+        job = replace(self._job(p, ()), max_write_rate=self.options.max_write_rate)
+        pending = PendingSave(p, job, t_start=t_start)
         budget = self.options.staging_budget_bytes
         staging = Staging(pending, writer, files, budget, self.faults)
         chunked = budget is not None and layout(files)[1] > budget

@@ -14,11 +14,10 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Tuple
 
-from .commit import RecordBarrier, Writer, run_job, write_files
+from .commit import Checksums, RecordBarrier, Writer, run_job, write_files
 from .errors import CheckpointSaveError
-from .format import block_crcs
 from .jobs import Crcs, FileJob, JobResult, Msg, Op, SaveJob, Segment
 from . import storage
 
@@ -46,39 +45,41 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
     """
 
     def write(job: SaveJob, staging: str) -> Crcs:
-        crcs: Dict[Tuple[str, int, int], List[int]] = {}
+        pacer = storage.Pacer(job.max_write_rate)
+        with Checksums(job.block_size) as sums:
 
-        def segments() -> Iterator[Segment]:
-            while True:
-                chunk = feed()
-                if chunk is None:
-                    return
-                yield from chunk
+            def segments() -> Iterator[Segment]:
+                while True:
+                    sums.drain()  # the chunk's bytes are checksummed before its half is handed back
+                    chunk = feed()
+                    if chunk is None:
+                        return
+                    yield from chunk
 
-        source = segments()
-        for fi, f in enumerate(job.files):
-            path = os.path.join(staging, f.name)
+            source = segments()
+            for fi, f in enumerate(job.files):
+                path = os.path.join(staging, f.name)
 
-            def parts(fi: int = fi, f: FileJob = f) -> Iterator[memoryview]:
-                pos, pi = 0, 0
-                while pos < f.size:
-                    seg = next(source, None)
-                    if seg is None or seg.file != fi or seg.start != pos:
-                        raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
-                    buf = area[seg.area_offset : seg.area_offset + seg.end - seg.start]
-                    if seg.start >= f.header_size:
-                        while f.pieces[pi][1] <= seg.start:
-                            pi += 1
-                        crcs.setdefault((f.name, *f.pieces[pi]), []).extend(block_crcs(buf, job.block_size))
-                    yield buf
-                    pos = seg.end
+                def parts(fi: int = fi, f: FileJob = f) -> Iterator[memoryview]:
+                    pos, pi = 0, 0
+                    while pos < f.size:
+                        seg = next(source, None)
+                        if seg is None or seg.file != fi or seg.start != pos:
+                            raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
+                        buf = area[seg.area_offset : seg.area_offset + seg.end - seg.start]
+                        if seg.start >= f.header_size:
+                            while f.pieces[pi][1] <= seg.start:
+                                pi += 1
+                            sums.add((f.name, *f.pieces[pi]), buf)
+                        yield buf
+                        pos = seg.end
 
-            n = storage.write_file(path, parts())
-            if n != f.size:
-                raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {f.size}")
-            for start, end in f.pieces:
-                crcs.setdefault((f.name, start, end), [])  # empty pieces have no segment
-        return {k: tuple(v) for k, v in crcs.items()}
+                n = storage.write_file(path, parts(), pacer)
+                if n != f.size:
+                    raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {f.size}")
+                for start, end in f.pieces:
+                    sums.expect((f.name, start, end))  # empty pieces have no segment
+            return sums.result()
 
     return write
 
