@@ -266,28 +266,34 @@ def rank_seed(kind: str, seed: int, rank: int) -> int:
 
 
 # --------------------------------------------------------------------------- jobs
-def reference_job(rank: int, world: int, kind: str, root: Optional[str], async_save: bool,
+def reference_job(rank: int, world: int, kind: str, root: Any, async_save: Optional[bool] = None,
                   last_step: int = LAST_STEP, save_steps: tuple = SAVE_STEPS) -> Dict[str, Any]:
-    """Train steps 1..last_step from REF_INIT, saving after ``save_steps`` (root None: no saves)."""
+    """Train steps 1..last_step from REF_INIT, saving after ``save_steps`` (root None: no saves).
+
+    ``root`` is one root (saved with ``async_save``) or a list of ``(root, async_save)``: one run saves
+    each step into every root, in that order, with a manager each (a synchronous save before an
+    asynchronous one leaves the asynchronous one racing the next training step, as it would alone).
+    """
     seed_all(rank_seed(kind, REF_SEED, rank))
     s = build(kind, rank, world, REF_INIT)
-    mgr = None
-    if root is not None:
-        import nostall
-
-        mgr = nostall.CheckpointManager(root, keep_last=3, async_save=async_save)
+    dests = [] if root is None else [(root, async_save)] if isinstance(root, str) else list(root)
+    mgrs = []
     out: Dict[str, Any] = {"losses": {}, "saved": {}}
     try:
+        import nostall
+
+        for r, a in dests:
+            mgrs.append(nostall.CheckpointManager(r, keep_last=3, async_save=bool(a)))
         for step in range(1, last_step + 1):
             out["losses"][step] = train_step(s)
             if step in save_steps:
                 out["saved"][step] = snapshot(s)  # what the checkpoint must hold
-                if mgr is not None:
+                for mgr in mgrs:
                     mgr.save(step, model=s.model, optimizer=s.optimizer, scheduler=s.scheduler, rng=True,
                              extra=extra_for(rank, step), **s.layout_kw())
         out["final"] = snapshot(s)
     finally:
-        if mgr is not None:
+        for mgr in mgrs:
             mgr.close()
     return out
 
@@ -316,6 +322,12 @@ def resume_job(rank: int, world: int, kind: str, root: str, step: Optional[int] 
             out["losses"][st] = train_step(s)
         out["final"] = snapshot(s)
     return out
+
+
+def resume_each_job(rank: int, world: int, kind: str, roots: List[str]) -> List[Dict[str, Any]]:
+    """:func:`resume_job` from each root in turn, in one fresh process (each with its own fresh model,
+    RNG seeds, optimizer and scheduler; none of them saw the reference run)."""
+    return [resume_job(rank, world, kind, root) for root in roots]
 
 
 # --------------------------------------------------------------------------- comparison

@@ -51,16 +51,26 @@ def _full_shapes(kind: str) -> dict:
 # --------------------------------------------------------------------------- 1. resume == uninterrupted
 
 
-@pytest.mark.parametrize("async_save", MODES)
 @pytest.mark.parametrize("kind", H.KINDS)
-def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind, async_save):
-    """Train 1..6 saving after 2 and 4; resume from 4 in fresh processes: steps 5-6 repeat bit for bit."""
-    world = H.WORLD[kind]
-    root = str(tmp_path / "ckpts")
-    ref = rank_pools.get(world).run(H.reference_job, kind, root, async_save, timeout=JOB_TIMEOUT)
-    # fresh interpreters and a fresh process group; other weights, other RNG seeds, fresh optimizer/scheduler
-    res = run_ranks(world, H.resume_job, kind, root, timeout=JOB_TIMEOUT)
+def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind):
+    """Train 1..6 saving after 2 and 4; resume from 4 in fresh processes: steps 5-6 repeat bit for bit.
 
+    Synchronous and asynchronous saves at once: the one reference run saves every step into two roots
+    (a synchronous manager's, then an asynchronous one's), and one set of fresh processes resumes from
+    each root in turn, each time into a fresh model. Each root is checked on its own.
+    """
+    world = H.WORLD[kind]
+    roots = {False: str(tmp_path / "ckpts-sync"), True: str(tmp_path / "ckpts-async")}
+    ref = rank_pools.get(world).run(H.reference_job, kind, [(roots[False], False), (roots[True], True)],
+                                    timeout=JOB_TIMEOUT)
+    # fresh interpreters and a fresh process group; other weights, other RNG seeds, fresh optimizer/scheduler
+    both = run_ranks(world, H.resume_each_job, kind, [roots[False], roots[True]], timeout=JOB_TIMEOUT)
+    for i, async_save in enumerate((False, True)):
+        _check_resume(kind, async_save, roots[async_save], ref, [both[rank][i] for rank in range(world)])
+
+
+def _check_resume(kind: str, async_save: bool, root: str, ref: list, res: list) -> None:
+    world = H.WORLD[kind]
     s = H.RESUME_STEP
     problems = []
     for rank in range(world):
@@ -73,6 +83,8 @@ def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind, async_save):
             problems.append(f"{tag}: resumed.step={q['step']!r}, want {s} (the latest)")
         if q["path"] != q["path_for_step"]:
             problems.append(f"{tag}: resumed.path={q['path']!r}, want {q['path_for_step']!r}")
+        if os.path.dirname(q["path"]) != os.path.normpath(root):
+            problems.append(f"{tag}: resumed.path={q['path']!r}, not under {root!r}")
         want_extra = {"epoch": s // 3, "loader": rank * 1000 + s}
         if q["extra"] != want_extra:
             problems.append(f"{tag}: resumed.extra={q['extra']!r}, want {want_extra!r}")
