@@ -8,14 +8,16 @@ A piece needed whole lands straight in the destination tensor (no extra copy).
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import logging
 import os
 import stat
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +43,7 @@ log = logging.getLogger("nostall")
 
 Shape = Tuple[int, ...]
 _READ_CHUNK = 64 << 20
+_VERIFY_WINDOW = 16 << 20  # whole-piece reads go in windows of this size, each checked while the next is read
 
 
 def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
@@ -153,7 +156,43 @@ def _check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: Te
             )
 
 
-def _execute(r: _Read, files: Any, m: Manifest, verify: bool) -> None:
+class _Verifier:
+    """Checks blocks against their checksums in one thread while the next bytes are read.
+
+    At most ``depth`` buffers wait at a time (a buffer stays referenced until
+    checked). :meth:`finish` waits for every check and raises the first
+    mismatch; a load returns only after it. ``enabled=False`` checks nothing.
+    """
+
+    def __init__(self, enabled: bool, depth: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-verify") if enabled else None
+        self._pending: Deque["Future[None]"] = collections.deque()
+        self._depth = depth
+
+    def check(self, buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str,
+              bs: int) -> None:
+        if self._pool is None:
+            return
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(_check_blocks, buf, first_block, piece, rec, path, bs))
+
+    def finish(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "_Verifier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _execute(r: _Read, files: Any, m: Manifest, checks: _Verifier) -> None:
     bs = m.block_size
     piece, rec = r.piece, r.rec
     path = files.path(piece.file)
@@ -165,9 +204,11 @@ def _execute(r: _Read, files: Any, m: Manifest, verify: bool) -> None:
     dest = r.dest
     if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
         buf = byte_view(dest)
-        files.read(piece.file, piece.start, piece.nbytes, into=buf)
-        if verify:
-            _check_blocks(buf, 0, piece, rec, path, bs)
+        window = max(bs, _VERIFY_WINDOW // bs * bs)  # whole blocks, so each window checks on its own
+        for lo in range(0, piece.nbytes, window):
+            part = buf[lo : min(lo + window, piece.nbytes)]
+            files.read(piece.file, piece.start + lo, len(part), into=part)
+            checks.check(part, lo // bs, piece, rec, path, bs)
         return
     pshape = piece.shape
     nd = len(pshape)
@@ -191,8 +232,7 @@ def _execute(r: _Read, files: Any, m: Manifest, verify: bool) -> None:
         lo = (first * isz) // bs * bs
         hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
         buf = files.read(piece.file, piece.start + lo, hi - lo)
-        if verify:
-            _check_blocks(buf, lo // bs, piece, rec, path, bs)
+        checks.check(buf, lo // bs, piece, rec, path, bs)
         flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
         if nd == 0:
             src = flat.reshape(())
@@ -375,12 +415,13 @@ def load_state(
     restored = walk(template, visit)
     reads = _unique_reads(reads)
     files = _open_files(path, m, storage_options, timeout)
+    checks = _Verifier(verify)
     try:
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
         with torch.no_grad():
             for r in reads:
                 try:
-                    _execute(r, files, m, verify)
+                    _execute(r, files, m, checks)
                 except OSError as e:
                     hint = (" (the template's memory is not writable: load into writable tensors)"
                             if e.errno == errno.EFAULT else "")
@@ -393,7 +434,9 @@ def load_state(
                         f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
                         "a plain tensor of its own memory (e.g. .clone())"
                     ) from e
+            checks.finish()
     finally:
+        checks.close()
         files.close()
     return restored
 

@@ -39,7 +39,7 @@ from ..format import (
     layout_file,
     piece_name,
 )
-from ..loading import _execute, _open_files, _plan_reads, _Read, read_manifest
+from ..loading import _execute, _open_files, _plan_reads, _Read, _Verifier, read_manifest
 from .._dtypes import torch_dtype
 from ..model import escape_component, numel
 
@@ -125,9 +125,10 @@ class _Source:
         reads: List[_Read] = []
         _plan_reads(rec, dest, off, reads)
         reads.sort(key=lambda r: (r.piece.file, r.piece.start))
-        with torch.no_grad():
+        with torch.no_grad(), _Verifier(self.verify) as checks:
             for r in reads:
-                _execute(r, self.files, self.manifest, self.verify)
+                _execute(r, self.files, self.manifest, checks)
+            checks.finish()
 
     def read_new(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
         """A new tensor holding the region of ``key`` at ``offset`` with ``shape``."""

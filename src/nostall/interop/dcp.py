@@ -72,7 +72,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .._dtypes import dtype_code, torch_dtype
 from ..errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
 from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from ..loading import _execute, _open_files, _Read, read_manifest
+from ..loading import _execute, _open_files, _Read, _Verifier, read_manifest
 from ..model import check_json, numel, to_json, walk
 from .. import remote
 from ._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
@@ -181,7 +181,7 @@ class Reader(StorageReader):
                     rec, piece = self._piece(item)
                     tensor_items.append((piece.file, piece.start, item, rec, piece))
             tensor_items.sort(key=lambda x: (x[0], x[1]))
-            with torch.no_grad():
+            with torch.no_grad(), _Verifier(self.verify) as checks:
                 for _, _, item, rec, piece in tensor_items:
                     target = planner.resolve_tensor(item).detach()
                     lengths = tuple(int(x) for x in item.lengths)
@@ -195,10 +195,12 @@ class Reader(StorageReader):
                         dest = target
                     else:
                         dest = torch.empty(lengths, dtype=target.dtype)
-                    _execute(_Read(rec, piece, box, lengths, dest), files, m, self.verify)
+                    _execute(_Read(rec, piece, box, lengths, dest), files, m, checks)
                     if dest is not target:
+                        checks.finish()  # dest's bytes are checked before they reach the target
                         target.copy_(dest)
                     planner.commit_tensor(item, target)
+                checks.finish()
         finally:
             files.close()
         fut: Future = Future()
