@@ -299,11 +299,14 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
     mgr_sync = nostall.CheckpointManager(os.path.join(root, "nostall_sync")) if "nostall_sync" in systems else None
     mgr_async = (nostall.CheckpointManager(os.path.join(root, "nostall_async"), async_save=True)
                  if "nostall_async" in systems else None)
+    if mgr_async is not None:  # set-up, as docs/integration.md advises: plan, start the writer, map the area
+        mgr_async.prepare(state)
     loop = _TrainLoop()
     mgr_overlap = None
     if "nostall_overlap" in systems:
         mgr_overlap = nostall.CheckpointManager(os.path.join(root, "nostall_overlap"), async_save=True, overlap=True)
         mgr_overlap.attach(loop.opt)  # its step() waits for the copy, as a trainer's would
+        mgr_overlap.prepare(state)
         res["nostall_overlap"]["compute_ms"] = []  # [forward/backward meanwhile, just before], per save
     mgr_remote = None
     if REMOTE in systems:
