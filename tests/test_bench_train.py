@@ -1,0 +1,100 @@
+"""``nostall bench train``'s smoke configuration: it runs, verifies every checkpoint, and its output is well formed.
+
+No timing is asserted: only the shape of the figures, the verification counts, the table and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from nostall import bench_train
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def test_bench_train_smoke(tmp_path, capsys):
+    js, png = tmp_path / "bt.json", tmp_path / "bt.png"
+    rc = bench_train.main(["--ranks", "2", "--mb-per-rank", "4", "--steps", "5", "--every", "2", "--reps", "1",
+                           "--compute-ms", "10", "--dir", str(tmp_path / "run"), "--json", str(js), "--plot",
+                           str(png), "--quiet"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    out = json.loads(js.read_text())
+
+    c = out["config"]
+    assert c["ranks"] == 2 and c["bytes_per_rank"] > 0 and c["steps"] == 5 and c["every"] == 2
+    assert c["save_steps"] == [2, 4] and c["saves_per_run"] == 2  # never on the last step
+    assert c["compute"] == ["device", "host"] and c["host_passes"] >= 1
+    assert set(out) >= {"config", "machine", "copy_floor_s", "summary", "ratios", "verified", "mismatches", "runs",
+                        "walls", "saturated", "host_busy_cores"}
+    assert _finite(out["copy_floor_s"]["median"])
+
+    # every checkpoint of every run loaded back and equal to the state at its save: step 0 and each save,
+    # per rank and compute model
+    assert out["mismatches"] == []
+    assert out["verified"] == {name: 2 * 2 * (1 + 2) for name in bench_train.SYSTEMS}
+
+    for compute in ("device", "host"):
+        s = out["summary"][compute]
+        assert set(s) == {"baseline", *bench_train.SYSTEMS}
+        assert _finite(s["baseline"]["wall_s"]["median"]) and _finite(s["baseline"]["after_save_p99_s"])
+        for name in bench_train.SYSTEMS:
+            r = s[name]
+            for field in ("overhead_per_save_s", "loss_pct", "loss_every20_pct", "wait_previous_s", "call_s",
+                          "before_step_s", "drain_s"):
+                assert r[field]["min"] <= r[field]["median"] <= r[field]["max"], (compute, name, field)
+            for field in ("save_step_p50_s", "save_step_p99_s", "after_save_p50_s", "after_save_p99_s"):
+                assert _finite(r[field]) and r[field] > 0, (compute, name, field)
+            assert r["verified"] == 3  # rank 0's, in its one run
+        assert "staged_wait_s" in s["nostall_overlap"]
+        rs = out["ratios"][compute]
+        assert {"nostall_async / copy_floor", "nostall_async / dcp_best_async", "nostall_overlap / nostall_async",
+                "nostall_sync / dcp_sync"} <= set(rs)
+        run = out["runs"][compute]["nostall_overlap"][0]
+        assert len(run["step_s"]) == 5 and [d["step"] for d in run["saves"]] == [2, 4]
+
+    assert "== device compute" in table and "== host compute" in table and "nostall_overlap" in table
+    assert "mismatches: 0" in table
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # each run's directory deleted
+
+
+def test_bench_train_rejects_a_run_without_a_step_after_its_save():
+    try:
+        bench_train.run_bench(steps=3, every=3)
+    except ValueError as e:
+        assert "--every" in str(e)
+    else:
+        raise AssertionError("run_bench accepted --steps 3 --every 3")
+
+
+def test_verify_reports_a_checkpoint_that_differs_from_the_state_at_its_save():
+    """The verification itself: a changed byte, or a wrong saved step, is a mismatch naming the step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    tensors = [torch.arange(8, dtype=torch.float32), torch.ones(2, 3)]
+    st = SimpleNamespace(torch=torch, tensors=tensors)
+    st.digests = lambda ts=None: bench_train._State.digests(st, ts)  # type: ignore[arg-type]
+    rank = object.__new__(bench_train._Rank)
+    rank.rank, rank.st, rank.save_steps = 0, st, [2, 4]
+    rank.ref = {0: st.digests(), 2: st.digests(), 4: st.digests()}
+
+    class Fake(bench_train._System):
+        name = "fake"
+
+        def load_into(self, step, template):
+            got = [t.clone() for t in tensors]
+            if step == 2:
+                got[1][1, 2] += 1  # one element of one tensor
+            return got, (step if step != 4 else 5)
+
+    n, bad = rank.verify(Fake(rank), {"model": {}, "step": 0})
+    assert n == 3
+    assert len(bad) == 2
+    assert "step 2" in bad[0] and "1 tensor(s) differ" in bad[0] and "#1" in bad[0]
+    assert "step 4" in bad[1] and "saved step value 5" in bad[1]
