@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from operator import itemgetter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -86,24 +87,110 @@ def layout_file(
     (length prefix included), the absolute ``[start, end)`` of each entry and
     the total file size.
     """
-    order = sorted(entries, key=lambda e: (-itemsize(e.dtype), e.name))
+    header, ranges, size = layout_entries([(e.name, e.dtype, e.shape, e.nbytes) for e in entries], metadata)
+    return header, {e.name: r for e, r in zip(entries, ranges)}, size
+
+
+def layout_entries(
+    entries: Sequence[Tuple[str, str, Shape, int]], metadata: Mapping[str, str]
+) -> Tuple[bytes, List[Tuple[int, int]], int]:
+    """:func:`layout_file` for ``(name, dtype, shape, nbytes)`` tuples: the absolute ``[start, end)``
+    of each entry in the order given.
+
+    The header is the text ``json.dumps(header, sort_keys=True, separators=(",", ":"))`` writes,
+    assembled entry by entry (a plan can hold hundreds of thousands of entries).
+    """
+    n = len(entries)
+    names = [e[0] for e in entries]
+    codes = [e[1] for e in entries]
+    for c in dict.fromkeys(codes):
+        itemsize(c)  # an unknown code raises, as sorting by item size would
+    if len(set(names)) != n or "__metadata__" in names:
+        return _layout_slow(entries, metadata)  # raises for a repeated name; keeps an odd one as it was
+    neg = {c: -ITEMSIZE[c] for c in set(codes)}
+    order = [i for _, _, i in sorted(zip(map(neg.__getitem__, codes), names, range(n)))]
+    shape_text: Dict[Shape, str] = {}
+    code_text = {c: json.dumps(c) for c in neg}
+    rel: List[Tuple[int, int]] = [(0, 0)] * n
+    parts: List[Tuple[str, str]] = []
+    pos = 0
+    encode = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
+    for i in order:
+        name, code, shape, nbytes = entries[i]
+        st = shape_text.get(shape)
+        if st is None:
+            if any(type(x) is not int for x in shape) or type(nbytes) is not int:
+                return _layout_slow(entries, metadata)
+            st = shape_text[shape] = ",".join(map(str, shape))
+        end = pos + nbytes
+        rel[i] = (pos, end)
+        parts.append((name, f'{encode(name)}:{{"data_offsets":[{pos},{end}],"dtype":{code_text[code]},'
+                            f'"shape":[{st}]}}'))
+        pos = end
+    meta = json.dumps(dict(metadata), sort_keys=True, separators=(",", ":"))
+    parts.append(("__metadata__", f'"__metadata__":{meta}'))
+    parts.sort()
+    text = ("{" + ",".join([p for _, p in parts]) + "}").encode()
+    pad = (-(8 + len(text))) % HEADER_ALIGN
+    text += b" " * pad
+    prefix = struct.pack("<Q", len(text))
+    data_start = 8 + len(text)
+    return prefix + text, [(data_start + a, data_start + b) for a, b in rel], data_start + pos
+
+
+def _layout_slow(
+    entries: Sequence[Tuple[str, str, Shape, int]], metadata: Mapping[str, str]
+) -> Tuple[bytes, List[Tuple[int, int]], int]:
+    """:func:`layout_entries` through ``json.dumps`` of the whole header (repeated or unusual names)."""
+    order = sorted(entries, key=lambda e: (-itemsize(e[1]), e[0]))
     rel: Dict[str, Tuple[int, int]] = {}
     pos = 0
     header: Dict[str, Any] = {}
-    for e in order:
-        if e.name in header:
-            raise ValueError(f"two pieces named {e.name!r} in one file")
-        header[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        rel[e.name] = (pos, pos + e.nbytes)
-        pos += e.nbytes
+    for name, dtype, shape, nbytes in order:
+        if name in header:
+            raise ValueError(f"two pieces named {name!r} in one file")
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        rel[name] = (pos, pos + nbytes)
+        pos += nbytes
     header["__metadata__"] = dict(metadata)
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     pad = (-(8 + len(text))) % HEADER_ALIGN
     text += b" " * pad
     prefix = struct.pack("<Q", len(text))
     data_start = 8 + len(text)
-    absolute = {n: (data_start + a, data_start + b) for n, (a, b) in rel.items()}
-    return prefix + text, absolute, data_start + pos
+    return prefix + text, [(data_start + rel[e[0]][0], data_start + rel[e[0]][1]) for e in entries], data_start + pos
+
+
+def quick_tiles(global_shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> bool:
+    """True when ``boxes`` (offset, shape) certainly tile ``global_shape`` exactly, found cheaply; False
+    when this cannot tell (ask :func:`~nostall._boxes.cover_problem`, which then decides).
+
+    Recognises the layout of every 1-D sharding: all boxes non-empty, spanning every dimension whole
+    but one, along which they are contiguous from 0 to its end. :func:`cover_problem` returns None for
+    every layout this accepts.
+    """
+    g = tuple(global_shape)
+    d = len(g)
+    if d == 0 or not boxes:
+        return False
+    offs = [b[0] for b in boxes]
+    shps = [b[1] for b in boxes]
+    if set(map(len, offs)) != {d} or set(map(len, shps)) != {d} or min(map(min, shps)) <= 0:
+        return False
+    varying = []
+    for k in range(d):
+        get = itemgetter(k)
+        if set(map(get, offs)) != {0} or set(map(get, shps)) != {g[k]}:
+            varying.append(k)
+    if not varying:
+        return len(boxes) == 1
+    if len(varying) > 1:
+        return False
+    get = itemgetter(varying[0])
+    spans = sorted(zip(map(get, offs), map(get, shps)))
+    starts = [a for a, _ in spans]
+    ends = [a + n for a, n in spans]
+    return starts[0] == 0 and ends[-1] == g[varying[0]] and starts[1:] == ends[:-1]
 
 
 MAX_HEADER_BYTES = 100 << 20
@@ -439,7 +526,8 @@ class Manifest:
                     )
                 if len(p.crc32c) != -(-(p.end - p.start) // self.block_size):
                     raise CheckpointCorruptError(f"{path}: key {t.key!r}: wrong number of checksums")
-            problem = cover_problem(t.shape, [(p.offset, p.shape) for p in t.pieces])
+            boxes = [(p.offset, p.shape) for p in t.pieces]
+            problem = None if quick_tiles(t.shape, boxes) else cover_problem(t.shape, boxes)
             if problem:
                 raise CheckpointCorruptError(f"{path}: key {t.key!r}: {problem}")
         for r in self.per_rank:
