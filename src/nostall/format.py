@@ -20,7 +20,11 @@ from ._boxes import cover_problem
 from .errors import CheckpointCorruptError
 
 FORMAT_NAME = "nostall"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The newest version read and written. A manifest is written as version 1 unless it uses what version 2
+added (references to files of earlier checkpoints, content digests): full saves stay readable by
+every nostall."""
+DIGEST_ALGORITHM = "xxh3-128"
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32c"
 DEFAULT_BLOCK_SIZE = 4 << 20
@@ -55,6 +59,26 @@ def block_crcs(buf: memoryview, block_size: int) -> List[int]:
 
 def crc(buf: Any) -> int:
     return _crc32c.crc32c(buf)
+
+
+def digest_hasher() -> Any:
+    """A streaming content digest (:data:`DIGEST_ALGORITHM`): ``.update(buf)``, ``.hexdigest()``.
+
+    128 bits, so that equal digests prove equal bytes for every purpose short
+    of an adversary crafting collisions (incremental saves reuse a piece's
+    earlier bytes on that proof). Imported on first use: only incremental
+    saves need it.
+    """
+    import xxhash
+
+    return xxhash.xxh3_128()
+
+
+def content_digest(buf: Any) -> str:
+    """The hex :data:`DIGEST_ALGORITHM` digest of ``buf``."""
+    h = digest_hasher()
+    h.update(buf)
+    return str(h.hexdigest())
 
 
 # --------------------------------------------------------------------------- data files
@@ -270,6 +294,8 @@ class PieceRecord:
     start: int  # absolute byte offset in the file
     end: int
     crc32c: Tuple[int, ...]
+    digest: str = ""
+    """The piece's :data:`DIGEST_ALGORITHM` digest (hex), written by incremental saves; optional."""
 
     @property
     def nbytes(self) -> int:
@@ -361,12 +387,25 @@ class Manifest:
     per_rank: Tuple[RankRecord, ...]
     version: int = FORMAT_VERSION
     side_files: Dict[str, SideFileRecord] = field(default_factory=dict)
+    references: Dict[str, FileRecord] = field(default_factory=dict)
+    """Data files of earlier checkpoints of the same root that pieces of this one are read from
+    (incremental saves), each named ``<checkpoint>/<file>`` relative to the root; ``files`` holds
+    this checkpoint's own."""
+
+    def all_files(self) -> Dict[str, FileRecord]:
+        """Every data file the pieces are read from: own files by name, referenced ones as ``<checkpoint>/<file>``."""
+        return {**self.files, **self.references} if self.references else self.files
+
+    def uses_version_2(self) -> bool:
+        """Whether this manifest needs format version 2 to be read (references or digests)."""
+        return bool(self.references) or any(p.digest for t in self.tensors.values() for p in t.pieces) or any(
+            p.digest for r in self.per_rank for t in r.tensors.values() for p in t.pieces)
 
     # ---------------------------------------------------------------- encode
     def to_json_bytes(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": 2 if self.uses_version_2() else 1,
             "step": self.step,
             "world_size": self.world_size,
             "checksum": {"algorithm": CHECKSUM_ALGORITHM, "block_size": self.block_size},
@@ -383,26 +422,43 @@ class Manifest:
                 f.name: {"size": f.size, "crc32c": f.crc32c, **({"stored": f.stored} if f.stored else {})}
                 for f in self.side_files.values()
             }
+        if self.references:  # version 2
+            doc["references"] = {f.name: {"rank": f.rank, "size": f.size} for f in self.references.values()}
         return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
     def with_crcs(self, crcs: Mapping[Tuple[str, int, int], Sequence[int]]) -> "Manifest":
-        """This manifest with each piece's checksums taken from ``crcs[(file, start, end)]``."""
+        """This manifest with each piece's checksums taken from ``crcs[(file, start, end)]`` (every piece where
+        it was planned; see :meth:`with_placed`)."""
+        return self.with_placed({k: Placed(k[0], k[1], k[2], tuple(c)) for k, c in crcs.items()}, None)
+
+    def with_placed(self, placed: Mapping[Tuple[str, int, int], "Placed"],
+                    sizes: Optional[Mapping[str, FileRecord]]) -> "Manifest":
+        """This manifest with each planned piece ``(file, start, end)`` where ``placed`` says its bytes are.
+
+        ``sizes``: every data file the placed pieces are in, own (``files``)
+        and of earlier checkpoints (named ``<checkpoint>/<file>``,
+        ``references``), with their actual sizes; None: the files as planned.
+        """
 
         def fill(t: TensorRecord) -> TensorRecord:
             pieces = []
             for p in t.pieces:
                 try:
-                    c = tuple(crcs[(p.file, p.start, p.end)])
+                    w = placed[(p.file, p.start, p.end)]
                 except KeyError:
                     raise ValueError(f"no checksums reported for key {t.key!r} in {p.file} at {p.start}") from None
-                pieces.append(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, c))
+                pieces.append(PieceRecord(p.offset, p.shape, w.file, w.start, w.end, tuple(w.crc32c), w.digest))
             return replace(t, pieces=tuple(pieces))
 
-        return replace(
+        out = replace(
             self,
             tensors={k: fill(t) for k, t in self.tensors.items()},
             per_rank=tuple(RankRecord({k: fill(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
         )
+        if sizes is None:
+            return out
+        return replace(out, files={n: f for n, f in sizes.items() if "/" not in n},
+                       references={n: f for n, f in sizes.items() if "/" in n})
 
     def renamed(self, name: Callable[[str], str]) -> "Manifest":
         """This manifest with every data file ``n`` called ``name(n)``."""
@@ -455,13 +511,21 @@ class Manifest:
             raise CheckpointCorruptError(f"{path}: invalid checksum block size {block_size}")
         files = {}
         for n, f in _obj(doc["files"], "files").items():
-            if not n or "/" in n or "\x00" in n or n.startswith(".") or n == MANIFEST_NAME:
+            if data_file_problem(n):
                 raise CheckpointCorruptError(
                     f"{path}: invalid data file name {n!r}; the manifest is damaged: restore it or load another "
                     "checkpoint"
                 )
             f = _obj(f, f"files[{n!r}]")
             files[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
+        references = {}
+        for n, f in _obj(doc.get("references", {}), "references").items():
+            problem = reference_problem(n)
+            if problem:
+                raise CheckpointCorruptError(f"{path}: invalid referenced file {n!r} ({problem}); the manifest is "
+                                             "damaged: restore it or load another checkpoint")
+            f = _obj(f, f"references[{n!r}]")
+            references[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
         world_size = _int(doc["world_size"], "world_size")
         step = doc["step"]
         per_rank = []
@@ -495,6 +559,7 @@ class Manifest:
             per_rank=tuple(per_rank),
             version=version,
             side_files=side,
+            references=references,
         )
         m._check(path)
         return m
@@ -509,8 +574,9 @@ class Manifest:
             isz = itemsize(t.dtype)
             if any(g < 0 for g in t.shape):
                 raise CheckpointCorruptError(f"{path}: key {t.key!r}: negative dimension in shape {list(t.shape)}")
+            files = self.all_files()
             for p in t.pieces:
-                f = self.files.get(p.file)
+                f = files.get(p.file)
                 if f is None:
                     raise CheckpointCorruptError(f"{path}: key {t.key!r} refers to unknown file {p.file!r}")
                 if len(p.offset) != len(t.shape) or len(p.shape) != len(t.shape):
@@ -580,6 +646,7 @@ def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
                 "file": p.file,
                 "byte_range": [p.start, p.end],
                 "crc32c": list(p.crc32c),
+                **({"xxh3_128": p.digest} if p.digest else {}),
             }
             for p in t.pieces
         ],
@@ -636,6 +703,7 @@ def _tensor_rec(key: str, t: Any) -> TensorRecord:
                 start=byte_range[0],
                 end=byte_range[1],
                 crc32c=_ints(p["crc32c"], f"{key}: crc32c"),
+                digest=_digest(p.get("xxh3_128", ""), key),
             )
         )
     code = t["dtype"]
@@ -650,6 +718,53 @@ def _tensor_rec(key: str, t: Any) -> TensorRecord:
         what = "an empty string" if tied_to == "" else _json_type(tied_to)
         raise TypeError(f"{key!r}: tied_to must be a non-empty string (a key), not {what}")
     return TensorRecord(key, code, _ints(t["shape"], f"{key}: shape"), sharded, tuple(pieces), tied_to)
+
+
+def _digest(x: Any, key: str) -> str:
+    if not isinstance(x, str) or (x and not _DIGEST.fullmatch(x)):
+        raise ValueError(f"{key!r}: xxh3_128 must be 32 lowercase hex digits")
+    return x
+
+
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+def data_file_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot be a data file's name in a checkpoint directory, or None.
+
+    >>> data_file_problem("rank0.safetensors") is None
+    True
+    >>> data_file_problem("../x")
+    'it must be one non-empty path component, not starting with a dot, not the manifest'
+    """
+    if (not isinstance(name, str) or not name or "/" in name or "\x00" in name or name.startswith(".")
+            or name == MANIFEST_NAME):
+        return "it must be one non-empty path component, not starting with a dot, not the manifest"
+    return None
+
+
+def reference_problem(name: Any) -> Optional[str]:
+    """Why ``name`` cannot name a data file of an earlier checkpoint of the root (``<checkpoint>/<file>``), or None.
+
+    >>> reference_problem("step_5/rank0.1f2e3d4c5b6a7988.safetensors") is None
+    True
+    >>> reference_problem("../../etc/passwd")
+    'it must be <checkpoint>/<file>, each one path component not starting with a dot'
+    """
+    parts = name.split("/") if isinstance(name, str) else []
+    if len(parts) != 2 or any(data_file_problem(x) for x in parts):
+        return "it must be <checkpoint>/<file>, each one path component not starting with a dot"
+    return None
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Where a planned piece's bytes are once a save has written it: ``file`` (an own data file, or
+    ``<checkpoint>/<file>`` of an earlier checkpoint of the root), the byte range, checksums, digest."""
+
+    file: str
+    start: int
+    end: int
+    crc32c: Tuple[int, ...]
+    digest: str = ""
 
 
 def data_file_name(rank: int) -> str:
