@@ -22,27 +22,20 @@ This module does not import torch (it runs in the writer process).
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from ._faults import crash_point
 from .errors import CheckpointSaveError, describe
-from .jobs import Crcs, Done, FileJob, JobResult, Outcome, SaveJob
-from . import side_files, storage
-from .format import block_crcs
+from .datafiles import History, Writer
+from .format import FileRecord, Placed
+from .jobs import Done, JobResult, Outcome, PlannedPiece, SaveJob
+from . import side_files
 
 log = logging.getLogger("nostall")
 
 COMMIT_SLACK_S = 60.0  # ranks other than 0 wait this much longer than rank 0 for the outcome
-
-Parts = Iterable[Tuple[int, memoryview]]
-"""(start, bytes) of each piece of a file, in file order."""
-FileSource = Callable[[int, FileJob], Tuple[memoryview, Parts]]
-"""(index, file) -> (header bytes, its pieces): where a job's bytes come from."""
-Writer = Callable[[SaveJob, str], Crcs]
-"""(job, staging directory) -> checksums: writes every file of the job (see :func:`write_files`)."""
 
 
 def steps_to_delete(committed: Sequence[int], keep_last: Optional[int], just_committed: int) -> List[int]:
@@ -63,79 +56,6 @@ def steps_to_delete(committed: Sequence[int], keep_last: Optional[int], just_com
     if steps:
         keep.add(steps[-1])
     return [s for s in steps if s not in keep]
-
-
-class Checksums:
-    """The block checksums of a job's pieces, computed in one thread beside the writes.
-
-    :meth:`add` hands over a buffer and returns at once; the thread takes its
-    CRC32C blocks (the library releases the GIL) while the caller writes the
-    same bytes, so a save costs the write, not the write plus a checksum
-    pass. A buffer must stay unchanged until :meth:`drain` (or
-    :meth:`result`) returns. Use as a context manager: the thread ends on
-    exit, also on error.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-checksum")
-        self._pending: Dict[Tuple[str, int, int], List["Future[List[int]]"]] = {}
-
-    def __enter__(self) -> "Checksums":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def add(self, piece: Tuple[str, int, int], buf: memoryview) -> None:
-        """Checksum ``buf``, the next bytes of ``piece`` (file, start, end), block-aligned within it."""
-        self._pending.setdefault(piece, []).append(self._pool.submit(block_crcs, buf, self.block_size))
-
-    def expect(self, piece: Tuple[str, int, int]) -> None:
-        """``piece`` is part of the job even if no bytes of it come (an empty piece)."""
-        self._pending.setdefault(piece, [])
-
-    def drain(self) -> None:
-        """Wait until every buffer handed over so far is checksummed (it may then be reused)."""
-        for futures in self._pending.values():
-            for f in futures:
-                f.result()
-
-    def result(self) -> Crcs:
-        return {k: tuple(c for f in fs for c in f.result()) for k, fs in self._pending.items()}
-
-
-def write_file_image(path: str, header: memoryview, parts: Parts, size: int, sums: Checksums, name: str,
-                     pacer: Optional[storage.Pacer] = None) -> None:
-    """Write ``header`` then each ``(start, buffer)`` part and fsync; each part goes to ``sums``."""
-
-    def chunks() -> Iterable[memoryview]:
-        yield memoryview(header)
-        pos = len(header)
-        for start, buf in parts:
-            if start != pos:
-                raise RuntimeError(f"{path}: piece at byte {start} but the file is at byte {pos}")
-            sums.add((name, start, start + len(buf)), buf)
-            yield buf
-            pos += len(buf)
-
-    n = storage.write_file(path, chunks(), pacer)
-    if n != size:
-        raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {size}")
-
-
-def write_files(source: FileSource) -> Writer:
-    """A :data:`Writer` that writes each file of a job from ``source``."""
-
-    def write(job: SaveJob, staging: str) -> Crcs:
-        pacer = storage.Pacer(job.max_write_rate)
-        with Checksums(job.block_size) as sums:
-            for i, f in enumerate(job.files):
-                header, parts = source(i, f)
-                write_file_image(os.path.join(staging, f.name), header, parts, f.size, sums, f.name, pacer)
-            return sums.result()
-
-    return write
 
 
 # --------------------------------------------------------------------------- barriers
@@ -230,7 +150,19 @@ class RecordBarrier(Barrier):
 # --------------------------------------------------------------------------- the routine
 
 
-def commit(job: SaveJob, crcs: Crcs) -> None:
+def _manifest(job: SaveJob, dones: Iterable[Done]) -> Tuple[bytes, Dict[str, FileRecord]]:
+    """The manifest ``job`` commits, from every rank's done record, and every data file it names
+    (own ones, and ``<checkpoint>/<file>`` of earlier checkpoints)."""
+    assert job.manifest is not None
+    placed: Dict[PlannedPiece, Placed] = {}
+    files: Dict[str, FileRecord] = {}
+    for d in dones:
+        placed.update(d.placed)
+        files.update(d.files)
+    return job.manifest.with_placed(placed, files).to_json_bytes(), files
+
+
+def commit(job: SaveJob, dones: Iterable[Done]) -> None:
     """Rank 0: commit the save of ``job`` once every rank's data is durable.
 
     Raises before the commit point (nothing visible; the caller aborts) and
@@ -239,13 +171,14 @@ def commit(job: SaveJob, crcs: Crcs) -> None:
     """
     dest, root = job.dest, job.dest.root
     assert job.manifest is not None
-    manifest = job.manifest.with_crcs(crcs)
-    root.check_files(dest, {**{n: f.size for n, f in manifest.files.items()},
-                            **{f.file: f.size for f in manifest.side_files.values()}})
+    raw, files = _manifest(job, dones)
+    root.check_files(dest, {**{n: f.size for n, f in files.items() if "/" not in n},
+                            **{f.file: f.size for f in job.manifest.side_files.values()}},
+                     {n: f.size for n, f in files.items() if "/" in n})
     if dest.move_latest:
         root.prepare_latest(dest)  # needs space: fails here, before the commit point, on a full disk
     crash_point("commit.ready", dest.step)
-    root.publish(dest, manifest.to_json_bytes())
+    root.publish(dest, raw)
     if not dest.move_latest:
         return
     above = [s for s in root.steps() if dest.step is not None and s > dest.step]
@@ -276,11 +209,8 @@ def _decide(job: SaveJob, dones: Dict[int, Done]) -> Outcome:
     if missing and not failures:
         failures.append(f"rank(s) {missing} did not finish writing within {job.timeout:.0f}s")
     if not failures:
-        crcs: Crcs = {}
-        for d in dones.values():
-            crcs.update(d.crcs)
         try:
-            commit(job, crcs)
+            commit(job, dones.values())
             return Outcome(True)
         except Exception as e:
             failures.append(f"rank 0: commit of {job.dest.path} failed: {describe(e)}")
@@ -302,18 +232,25 @@ def _after_commit(job: SaveJob) -> None:
     if not dest.move_latest or dest.step is None:
         return
     try:
-        for s in steps_to_delete(root.steps(), dest.keep_last, dest.step):
-            root.delete_step(s, dest.step)
+        doomed = steps_to_delete(root.steps(), dest.keep_last, dest.step)
+        if doomed:
+            # a file that a retained checkpoint reads (an incremental save's reference) is never deleted
+            live = root.referenced(skip=doomed)
+            for s in doomed:
+                root.delete_step(s, dest.step, live)
+            root.collect(live)
     except Exception as e:  # the checkpoint is committed; retention is best effort
         log.warning("retention after step %s failed: %s", dest.step, e)
     root.sweep(dest)
 
 
-def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
+def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[History] = None) -> JobResult:
     """One rank's part of one save: write, report, and (rank 0) commit; never raises.
 
     ``write`` writes the job's files into the staging directory it is given
-    and returns their checksums.
+    and says what it wrote. ``history``: this rank's memory of its last
+    committed save, in the process running its saves (incremental saves
+    reuse its pieces; it is updated once this save commits).
     """
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
@@ -328,11 +265,18 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
         staging = root.open_staging(dest, job.rank)
         job.faults.check_write(staging)
         crash_point("write.start", job.step)
-        crcs = write(job, staging)
+        written = write(job, staging, history.base_for(job) if history is not None else None)
         side_files.write(staging, job.side_files)
-        res.bytes_written = sum(f.size for f in job.files) + sum(len(b) for _, b in job.side_files)
-        root.upload(dest, job.rank, names + side, deadline)
-        mine = Done(True, {(root.data_name(dest, n), s, e): c for (n, s, e), c in crcs.items()})
+        own = [n for n in names if n in written.files]  # an incremental save may have left a file out
+        res.bytes_written = sum(written.files[n].size for n in own) + sum(len(b) for _, b in job.side_files)
+        root.upload(dest, job.rank, own + side, deadline)
+
+        def stored(n: str) -> str:  # own files by their stored names; earlier checkpoints' as they are
+            return n if "/" in n else root.data_name(dest, n)
+
+        mine = Done(True, {(stored(n), s, e): replace(p, file=stored(p.file))
+                           for (n, s, e), p in written.placed.items()},
+                    {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()})
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
         log.error("%s", mine.error)
@@ -367,6 +311,9 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier) -> JobResult:
                                      f"{describe(e)}")
     res.commit_s = time.perf_counter() - t1
     res.ok = outcome.ok
+    if history is not None and outcome.ok and mine.ok:
+        history.committed(job, mine.placed, mine.files,
+                          {(stored(k[0]), k[1], k[2]): v for k, v in written.ids.items()})
     if not res.ok:
         if mine.ok:  # a failed write already removed its files
             root.remove_own_files(dest, job.rank, names + side)
@@ -383,11 +330,8 @@ def _committed_here(job: SaveJob) -> bool:
     dones = job.dest.root.read_dones(job.dest, range(job.world_size))
     if len(dones) != job.world_size or not all(d.ok for d in dones.values()):
         return False
-    crcs: Crcs = {}
-    for d in dones.values():
-        crcs.update(d.crcs)
     try:
-        expected = job.manifest.with_crcs(crcs).to_json_bytes()
+        expected, _ = _manifest(job, dones.values())
     except ValueError:
         return False
     return job.dest.root.manifest_bytes(job.dest.name) == expected

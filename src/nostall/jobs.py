@@ -33,10 +33,31 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from ._faults import Faults
-from .format import Manifest
+from .format import FileRecord, Manifest, Placed
 
 Crcs = Dict[Tuple[str, int, int], Tuple[int, ...]]
 """(file, start, end) -> block checksums of that piece."""
+PlannedPiece = Tuple[str, int, int]
+"""A piece as the plan lays it out: (file, start, end)."""
+PieceId = Tuple[str, str, str, Tuple[int, ...]]
+"""What makes a piece the same piece from one save to the next: (planned file, its safetensors entry name,
+dtype, shape)."""
+
+
+@dataclass
+class Written:
+    """What a rank's writer reports: where each planned piece's bytes are, and the data files they are in.
+
+    ``files``: own files under the names written in the staging directory
+    (their actual sizes: an incremental save leaves unchanged pieces out),
+    plus the files of earlier checkpoints that pieces are read from, as
+    ``<checkpoint>/<file>``. ``ids``: each planned piece's :data:`PieceId`
+    (incremental saves only), so that the next save can find it.
+    """
+
+    placed: Dict[PlannedPiece, Placed] = field(default_factory=dict)
+    files: Dict[str, FileRecord] = field(default_factory=dict)
+    ids: Dict[PlannedPiece, PieceId] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +77,7 @@ class Destination:
     save_id: str
     move_latest: bool = False
     keep_last: Optional[int] = None
+    tagged: bool = False  # data file names carry the save id (incremental saves; always on object storage)
 
     @property
     def path(self) -> str:
@@ -98,6 +120,8 @@ class SaveJob:
     files: Tuple[FileJob, ...]
     block_size: int
     timeout: float
+    incremental: bool = False  # digest every piece, so that the next save can reuse what did not change
+    base: str = ""  # the save id of the committed save whose pieces this one may reuse ("": write everything)
     manifest: Optional[Manifest] = None
     faults: Faults = field(default_factory=Faults)
     chunked: bool = False  # the files' bytes come chunk by chunk after the job
@@ -115,16 +139,23 @@ class SaveJob:
 
 @dataclass
 class Done:
-    """A rank's done record: its checksums, or why it failed."""
+    """A rank's done record: where its pieces are (with their checksums) and its files, or why it failed.
+
+    Names are as the manifest gives them (stored names on object storage).
+    """
 
     ok: bool
-    crcs: Crcs = field(default_factory=dict)
+    placed: Dict[PlannedPiece, Placed] = field(default_factory=dict)
+    files: Dict[str, FileRecord] = field(default_factory=dict)
     error: str = ""
 
     def to_doc(self) -> Dict[str, Any]:
         if not self.ok:
             return {"ok": False, "error": self.error}
-        return {"ok": True, "crcs": [[n, s, e, list(c)] for (n, s, e), c in self.crcs.items()]}
+        return {"ok": True,
+                "placed": [[n, s, e, w.file, w.start, w.end, list(w.crc32c), w.digest]
+                           for (n, s, e), w in self.placed.items()],
+                "files": [[f.name, f.rank, f.size] for f in self.files.values()]}
 
     @classmethod
     def from_doc(cls, doc: Any) -> "Done":
@@ -132,7 +163,10 @@ class Done:
             return cls(False, error=f"unreadable done record {str(doc)[:200]!r}")
         if not doc["ok"]:
             return cls(False, error=str(doc.get("error") or "unknown error"))
-        return cls(True, {(str(n), int(s), int(e)): tuple(int(x) for x in c) for n, s, e, c in doc["crcs"]})
+        placed = {(str(n), int(s), int(e)): Placed(str(f), int(a), int(b), tuple(int(x) for x in c), str(d))
+                  for n, s, e, f, a, b, c, d in doc["placed"]}
+        files = {str(n): FileRecord(str(n), int(r), int(z)) for n, r, z in doc["files"]}
+        return cls(True, placed, files)
 
 
 @dataclass

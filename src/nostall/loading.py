@@ -104,6 +104,9 @@ class _Files:
         self.fds: Dict[str, int] = {}
 
     def path(self, name: str) -> str:
+        """Own files are in the checkpoint's directory; ``<checkpoint>/<file>`` in a sibling of it (incremental)."""
+        if "/" in name:
+            return os.path.join(os.path.dirname(os.path.normpath(self.dir)), name)
         return os.path.join(self.dir, name)
 
     def _fd(self, name: str) -> int:
@@ -111,13 +114,16 @@ class _Files:
         if fd is None:
             path = self.path(name)
             try:
+                if "/" in name and not stat.S_ISDIR(os.lstat(os.path.dirname(path)).st_mode):
+                    raise OSError(errno.ELOOP, "is not a directory (a symbolic link?): it is not followed",
+                                  os.path.dirname(path))
                 fd = storage.open_regular(path)
             except FileNotFoundError:
-                raise CheckpointCorruptError(f"{path}: data file missing") from None
+                raise CheckpointCorruptError(f"{path}: data file missing{referenced_hint(name)}") from None
             except OSError as e:
                 raise CheckpointCorruptError(f"{path}: cannot open the data file: {e.strerror}") from None
             size = os.fstat(fd).st_size
-            want = self.manifest.files[name].size
+            want = self.manifest.all_files()[name].size
             if size != want:
                 os.close(fd)
                 raise CheckpointCorruptError(f"{path}: size {size} bytes, the manifest says {want} (truncated?)")
@@ -133,6 +139,15 @@ class _Files:
         self.fds.clear()
 
 
+def referenced_hint(name: str) -> str:
+    """What to say when a data file ``name`` of a manifest is missing: more when it is an earlier checkpoint's."""
+    if "/" not in name:
+        return ""
+    return (f" (an earlier checkpoint's file that this incremental checkpoint reads unchanged pieces from: the "
+            f"checkpoint was copied or moved without its root, or {name.split('/')[0]} was deleted by hand; copy "
+            "the whole root, or make a self-contained copy with 'nostall copy' from where the root is whole)")
+
+
 def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]],
                 timeout: Optional[float] = None) -> Any:
     """The data-file source of the checkpoint at ``path``: local files or ranged object reads.
@@ -140,7 +155,7 @@ def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]
     ``timeout``: object storage only, the hard bound of each ranged read (retries included).
     """
     if remote.is_remote(path):
-        return remote.RemoteFiles(path, {n: f.size for n, f in m.files.items()}, storage_options, timeout)
+        return remote.RemoteFiles(path, {n: f.size for n, f in m.all_files().items()}, storage_options, timeout)
     return _Files(path, m)
 
 
@@ -479,11 +494,12 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     problems: List[str] = []
     total = 0
     try:
-        for name in sorted(m.files):
+        all_files = m.all_files()
+        for name in sorted(all_files):
             fpath = files.path(name)
             try:
-                head = files.read(name, 0, min(m.files[name].size, 1 << 20))
-                header, data_start = _header(head, files, name, m.files[name].size)
+                head = files.read(name, 0, min(all_files[name].size, 1 << 20))
+                header, data_start = _header(head, files, name, all_files[name].size)
             except (CheckpointError, OSError) as e:
                 problems.append(str(e))
                 continue
@@ -519,7 +535,7 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
             read_side_file(path, side, storage_options)
         except (CheckpointError, OSError) as e:
             problems.append(str(e))
-    return VerifyReport(path, len(m.files), total, problems, len(m.side_files))
+    return VerifyReport(path, len(m.all_files()), total, problems, len(m.side_files))
 
 
 def side_file_location(path: str, name: str) -> str:

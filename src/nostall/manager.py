@@ -118,6 +118,10 @@ class CheckpointManager:
             rank's background writer writes (None: no cap). Trades time until
             durable for less interference with training; see
             :class:`~nostall.Options`.
+        incremental: each save writes only what changed since this
+            manager's previous committed save in its root (opt-in; see
+            docs/incremental.md); ``full_every``: write everything every this
+            many saves.
         on_commit: ``fn(handle)``, called once each save of this manager is
             committed (durable and visible), and only then: write the
             trainer's own "latest" marker, delete old checkpoints, upload,
@@ -165,6 +169,8 @@ class CheckpointManager:
         staging_budget_bytes: Optional[int] = None,
         check_replicas: Optional[bool] = None,
         max_write_rate: Optional[float] = None,
+        incremental: bool = False,
+        full_every: Optional[int] = None,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -173,7 +179,8 @@ class CheckpointManager:
                 keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
                 block_size=block_size, storage_options=storage_options, local_staging_dir=local_staging_dir,
                 fallback_sync=fallback_sync, overlap=overlap, staging_budget_bytes=staging_budget_bytes,
-                check_replicas=check_replicas, max_write_rate=max_write_rate,
+                check_replicas=check_replicas, max_write_rate=max_write_rate, incremental=incremental,
+                full_every=full_every,
             )
         if read_only and options.async_save:
             options = options.but(async_save=False)

@@ -79,6 +79,15 @@ class Options:
             memory bandwidth, CPU); ``nostall bench train`` shows the trade.
             Local and shared filesystems; an object-storage upload is not
             paced.
+        incremental: each save writes only the pieces whose bytes changed
+            since the manager's previous committed save in its root; the
+            others are read from the earlier checkpoint's files (proven equal
+            by an xxh3-128 digest, taken in the process that writes). Every
+            checkpoint stays complete and verifiable, and retention keeps any
+            file a retained checkpoint still reads. Opt-in: see
+            docs/incremental.md.
+        full_every: with ``incremental``, write everything every this many
+            saves (a fresh chain); None: only the manager's first save.
     """
 
     keep_last: Optional[int] = None
@@ -93,6 +102,8 @@ class Options:
     staging_budget_bytes: Optional[int] = None
     check_replicas: Optional[bool] = None
     max_write_rate: Optional[float] = None
+    incremental: bool = False
+    full_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -117,7 +128,9 @@ class Options:
                                                 or not self.max_write_rate >= 1 << 20):
             raise ValueError(f"max_write_rate must be None or a number of bytes per second of at least 1 MiB/s "
                              f"(1048576), got {self.max_write_rate!r}")
-        for name in ("async_save", "fallback_sync", "overlap"):
+        if self.full_every is not None:
+            _positive_int("full_every", self.full_every)
+        for name in ("async_save", "fallback_sync", "overlap", "incremental"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     def but(self, **changes: Any) -> "Options":

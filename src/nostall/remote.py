@@ -134,16 +134,22 @@ class RemoteFiles:
         self.checked: Dict[str, bool] = {}
 
     def path(self, name: str) -> str:
-        return f"{self.url}/{name}"
+        """Own files are under the checkpoint's URL; ``<checkpoint>/<file>`` beside it (incremental)."""
+        return f"{self.url.rpartition('/')[0] if '/' in name else self.url}/{name}"
+
+    def _key(self, name: str) -> str:
+        return f"{self.base.rstrip('/').rpartition('/')[0] if '/' in name else self.base}/{name}"
 
     def _check(self, name: str) -> None:
         if name in self.checked:
             return
-        key = f"{self.base}/{name}"
+        key = self._key(name)
         try:
             size = retry(f"stat {self.path(name)}", lambda: self.fs.size(key), deadline=self._deadline())
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{self.path(name)}: data file missing") from None
+            from .loading import referenced_hint
+
+            raise CheckpointCorruptError(f"{self.path(name)}: data file missing{referenced_hint(name)}") from None
         except Exception as e:
             raise CheckpointError(f"{self.path(name)}: cannot stat the data file: {e}") from e
         want = self.sizes[name]
@@ -154,7 +160,7 @@ class RemoteFiles:
     def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
         """Exactly ``length`` bytes at ``offset`` (one ranged GET); a short read is corruption."""
         self._check(name)
-        key = f"{self.base}/{name}"
+        key = self._key(name)
         try:
             data = retry(f"read {self.path(name)} [{offset}, {offset + length})",
                          lambda: self.fs.cat_file(key, start=offset, end=offset + length), deadline=self._deadline())

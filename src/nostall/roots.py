@@ -62,7 +62,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from . import remote, storage
 from ._faults import Faults, crash_point
@@ -86,6 +86,26 @@ _OURS_RE = re.compile(rf"^(save|commit|trash|latest)-({_ID})$")
 _MARK_RE = re.compile(rf"^(save|commit|trash|latest)-({_ID})\.nostall$")
 _DATA_RE = re.compile(r"^rank(0|[1-9][0-9]*)\.([0-9a-f]{16})\.safetensors$")
 _RECORD_RE = re.compile(r"^(rank(0|[1-9][0-9]*)\.json|outcome\.json)$")
+_NONE: Mapping[str, int] = {}
+RETIRED_PREFIX = ".retired-"
+"""A step directory may hold, besides its checkpoint, *retired manifests* ``.retired-<id>.json``: the
+manifests of checkpoints deleted (or replaced) while other retained checkpoints still read some of
+their data files (incremental saves). They prove those files are nostall's; each file is deleted once
+nothing reads it, and the retired manifest after its last file."""
+_RETIRED_RE = re.compile(r"^\.retired-[0-9a-f]{16}\.json$")
+
+
+def _tagged(name: str, save_id: str) -> str:
+    """``rank0.safetensors`` -> ``rank0.<save id>.safetensors`` (a side file's folders keep their names)."""
+    folder, slash, base = name.rpartition("/")
+    stem, dot, ext = base.rpartition(".")
+    tagged = f"{stem}.{save_id[:16]}.{ext}" if dot and stem else f"{base}.{save_id[:16]}"
+    return f"{folder}{slash}{tagged}"
+
+
+def _listed(m: Manifest) -> List[str]:
+    """The files a manifest names in its own directory: data files and side files."""
+    return list(m.files) + [f.file for f in m.side_files.values()]
 
 
 def step_name(step: int) -> str:
@@ -156,8 +176,34 @@ class Root(abc.ABC):
         """Location (directory or URL) of the checkpoint named ``name``."""
 
     def data_name(self, dest: Destination, name: str) -> str:
-        """What the planned data file (or side file) ``name`` is called in the checkpoint."""
-        return name
+        """What the planned data file (or side file) ``name`` is called in the checkpoint: tagged with the
+        save's id when ``dest.tagged`` (a re-save of a step never reuses a name that an earlier manifest
+        may refer to)."""
+        return _tagged(name, dest.save_id) if dest.tagged else name
+
+    def manifest(self, name: str) -> Optional[Manifest]:
+        """The parsed manifest of checkpoint ``name``, or None (none there, or not a nostall manifest)."""
+        try:
+            raw = self.manifest_bytes(name)
+            return None if raw is None else Manifest.from_json_bytes(raw, self.path(name))
+        except (CheckpointCorruptError, OSError):
+            return None
+
+    def referenced(self, skip: Iterable[int] = ()) -> Set[str]:
+        """Every data file of an earlier checkpoint (``<checkpoint>/<file>``) that a committed checkpoint
+        reads, leaving out the checkpoints of steps ``skip``. Manifests without references are not parsed."""
+        out: Set[str] = set()
+        skipped = set(skip)
+        for s in self.steps():
+            if s in skipped:
+                continue
+            raw = self.manifest_bytes(step_name(s))
+            if raw is None or b'"references"' not in raw:
+                continue
+            m = self.manifest(step_name(s))
+            if m is not None:
+                out.update(m.references)
+        return out
 
     # ------------------------------------------------------------------ reading
     @abc.abstractmethod
@@ -226,8 +272,10 @@ class Root(abc.ABC):
         """A rank whose save failed: delete what it wrote (a full disk needs the space back)."""
 
     @abc.abstractmethod
-    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
-        """Rank 0, before the commit: every data file is there with its planned size."""
+    def check_files(self, dest: Destination, files: Mapping[str, int],
+                    references: Mapping[str, int] = _NONE) -> None:
+        """Rank 0, before the commit: every file of the save (data and side files) is there with its size, and
+        every file of an earlier checkpoint that it reads (``references``, ``<checkpoint>/<file>``)."""
 
     def prepare_latest(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, before the commit point: whatever moving ``latest`` needs that can fail for lack of space."""
@@ -252,11 +300,17 @@ class Root(abc.ABC):
         """Rank 0, after a failure before the commit point: remove this save's staging and uploads."""
 
     @abc.abstractmethod
-    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
+    def delete_step(self, step: int, saving: Optional[int] = None, live: AbstractSet[str] = frozenset()) -> None:
         """Retention: delete the committed checkpoint of ``step`` (it stops being one first).
 
-        ``saving``: the step whose save's retention this is (for the crash points).
+        ``saving``: the step whose save's retention this is (for the crash points). ``live``: the files
+        (``<checkpoint>/<file>``) retained checkpoints read (:meth:`referenced`): those of this step stay,
+        with the manifest retired beside them (see :data:`RETIRED_PREFIX`).
         """
+
+    def collect(self, live: AbstractSet[str]) -> None:  # noqa: B027 - optional step, no-op by default
+        """Rank 0, after retention: delete the files of retired manifests that nothing in ``live`` reads,
+        then each retired manifest left without files (never raises)."""
 
     def sweep(self, dest: Destination) -> None:  # noqa: B027 - optional step, no-op by default
         """Rank 0, after a commit: delete what earlier crashed saves left (never raises)."""
@@ -577,18 +631,30 @@ class PosixRoot(Root):
             )
         return path
 
-    def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
+    def upload(self, dest: Destination, rank: int, names: List[str], deadline: float) -> None:
+        """The files are in place already; tagged names (:meth:`data_name`) are given to them here."""
+        if not dest.tagged:
+            return
         staging = self._tmp("save", dest.save_id, dest.name)
         for n in names:
+            os.rename(os.path.join(staging, n), os.path.join(staging, self.data_name(dest, n)))
+        for d in {os.path.dirname(os.path.join(staging, n)) for n in names}:  # (a side file may be in a folder)
+            storage.fsync_dir(d)
+
+    def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
+        staging = self._tmp("save", dest.save_id, dest.name)
+        for n in names + ([self.data_name(dest, n) for n in names] if dest.tagged else []):
             try:
                 os.unlink(os.path.join(staging, n))
             except OSError:
                 pass
 
-    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
+    def check_files(self, dest: Destination, files: Mapping[str, int],
+                    references: Mapping[str, int] = _NONE) -> None:
         staging = self._tmp("save", dest.save_id, dest.name)
-        for name, size in files.items():
-            path = os.path.join(staging, name)
+        for name, size in [*((os.path.join(staging, n), z) for n, z in files.items()),
+                           *((os.path.join(self.url, n), z) for n, z in references.items())]:
+            path = name
             try:
                 got = os.lstat(path).st_size
             except FileNotFoundError:
@@ -613,8 +679,10 @@ class PosixRoot(Root):
         self._no_link(final)
         old: Optional[str] = None  # where the checkpoint this one replaces now is (marked as this save's)
         if _lkind(final) is not None:
-            if not self.is_checkpoint(dest.name):
+            if not self.is_checkpoint(dest.name) and not self._retired(dest.name):
                 raise CheckpointSaveError(f"{final} exists and is not a nostall checkpoint; refusing to replace it")
+            self._carry(dest, staging)
+            storage.fsync_dir(staging)
             if _rename_exchange(staging, final):
                 old = staging  # the staging path (and its mark) now holds the previous checkpoint
             else:
@@ -663,10 +731,18 @@ class PosixRoot(Root):
         self._remove_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
         self._remove_ours(self._tmp("latest", dest.save_id), dest.save_id)
 
-    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
+    def delete_step(self, step: int, saving: Optional[int] = None, live: AbstractSet[str] = frozenset()) -> None:
         name = step_name(step)
         if not self.is_checkpoint(name):
             log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
+            return
+        if any(n.startswith(name + "/") for n in live):  # later checkpoints read some of its files: retire it
+            d = self.path(name)
+            os.rename(os.path.join(d, MANIFEST_NAME), os.path.join(d, f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"))
+            storage.fsync_dir(d)  # it stops being a checkpoint atomically; the files read elsewhere stay
+            crash_point("retain.moved", saving)
+            self._collect_dir(name, live)
+            log.info("retention: retired %s (later checkpoints read some of its files)", d)
             return
         trash_id = os.urandom(16).hex()
         trash = self._tmp("trash", trash_id)
@@ -675,6 +751,88 @@ class PosixRoot(Root):
         crash_point("retain.moved", saving)
         self._remove_ours(trash, trash_id)
         storage.fsync_dir(self.url)
+
+    def _retired(self, name: str) -> List[Tuple[str, Manifest]]:
+        """The retired manifests in step directory ``name`` (only those that parse: they prove the files)."""
+        d = self.path(name)
+        out = []
+        try:
+            entries = os.listdir(d)
+        except OSError:
+            return []
+        for n in sorted(entries):
+            if not _RETIRED_RE.match(n):
+                continue
+            path = os.path.join(d, n)
+            try:
+                m = Manifest.from_json_bytes(storage.read_small_file(path, MANIFEST_PROOF_MAX_BYTES), path)
+            except (CheckpointError, OSError):
+                log.warning("%s is not a nostall manifest: left alone", path)
+                continue
+            out.append((path, m))
+        return out
+
+    def _collect_dir(self, name: str, live: AbstractSet[str]) -> None:
+        """Delete the files the retired manifests of ``name`` list that nothing in ``live`` reads, then each
+        retired manifest whose files are all gone, then the directory once it is empty."""
+        d = self.path(name)
+        for path, m in self._retired(name):
+            left = False
+            for f in _listed(m):
+                fpath = os.path.join(d, f)
+                kind = _lkind(fpath)
+                if kind is None:
+                    continue
+                if f"{name}/{f}" in live or not stat.S_ISREG(kind):
+                    left = left or f"{name}/{f}" in live
+                    continue
+                os.unlink(fpath)
+                parent = os.path.dirname(fpath)
+                while parent != d:  # a side file's emptied folders
+                    try:
+                        os.rmdir(parent)
+                    except OSError:
+                        break
+                    parent = os.path.dirname(parent)
+            if not left:
+                os.unlink(path)
+        if _lkind(os.path.join(d, MANIFEST_NAME)) is None:
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass  # not empty: something else is there (left alone)
+
+    def collect(self, live: AbstractSet[str]) -> None:
+        try:
+            for n in os.listdir(self.url):
+                if parse_step(n) is not None and stat.S_ISDIR(self._no_link(self.path(n)) or 0) and self._retired(n):
+                    self._collect_dir(n, live)
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not delete the retired files under %s: %s", self.url, e)
+
+    def _carry(self, dest: Destination, staging: str) -> None:
+        """Before ``dest`` replaces the checkpoint (or retired files) of its step: hard-link into the staging
+        what other checkpoints still read from the old directory, with the manifests listing it (retired)."""
+        live = {n for n in self.referenced(skip=[dest.step] if dest.step is not None else [])
+                if n.startswith(dest.name + "/")}
+        old = self.path(dest.name)
+        manifests = self._retired(dest.name)
+        current = os.path.join(old, MANIFEST_NAME)
+        m = self.manifest(dest.name)
+        if m is not None:
+            manifests.append((current, m))
+        for path, m in manifests:
+            kept = [f for f in _listed(m) if f"{dest.name}/{f}" in live
+                    and stat.S_ISREG(_lkind(os.path.join(old, f)) or 0)]
+            if not kept:
+                continue
+            for f in kept:
+                os.makedirs(os.path.dirname(os.path.join(staging, f)), exist_ok=True)
+                os.link(os.path.join(old, f), os.path.join(staging, f))
+            retired = path if path != current else f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
+            os.link(path, os.path.join(staging, os.path.basename(retired)))
+            log.info("%s: files of the checkpoint it replaces that other checkpoints read are kept",
+                     self.path(dest.name))
 
     # ------------------------------------------------------------------ records
     def _write_record(self, path: str, data: bytes, op: str) -> None:
@@ -837,12 +995,9 @@ class ObjectRoot(Root):
         return _join(self.url, name)
 
     def data_name(self, dest: Destination, name: str) -> str:
-        """``rank0.safetensors`` -> ``rank0.<save id>.safetensors``: a re-save of a step never
+        """``rank0.safetensors`` -> ``rank0.<save id>.safetensors``, always: a re-save of a step never
         overwrites the files an older manifest of that step still names."""
-        folder, slash, base = name.rpartition("/")  # a side file's folders keep their names
-        stem, dot, ext = base.rpartition(".")
-        tagged = f"{stem}.{dest.save_id[:16]}.{ext}" if dot and stem else f"{base}.{dest.save_id[:16]}"
-        return f"{folder}{slash}{tagged}"
+        return _tagged(name, dest.save_id)
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> List[int]:
@@ -870,15 +1025,8 @@ class ObjectRoot(Root):
             return None
         return _parse_latest(raw, url)
 
-    def _manifest(self, name: str) -> Optional[Manifest]:
-        raw = self.manifest_bytes(name)
-        try:
-            return None if raw is None else Manifest.from_json_bytes(raw, _join(self.url, name, MANIFEST_NAME))
-        except CheckpointCorruptError:
-            return None
-
     def is_checkpoint(self, name: str) -> bool:
-        return self._manifest(name) is not None
+        return self.manifest(name) is not None
 
     def has_manifest(self, name: str) -> bool:
         fs = self._fs()[0]
@@ -952,12 +1100,14 @@ class ObjectRoot(Root):
     def remove_own_files(self, dest: Destination, rank: int, names: List[str]) -> None:
         shutil.rmtree(self._local(dest, rank), ignore_errors=True)
 
-    def check_files(self, dest: Destination, files: Mapping[str, int]) -> None:
+    def check_files(self, dest: Destination, files: Mapping[str, int],
+                    references: Mapping[str, int] = _NONE) -> None:
         fs = self._fs()[0]
-        for name, size in files.items():
-            url = _join(self.url, dest.name, name)
+        for parts, size in [*(((dest.name, n), z) for n, z in files.items()),
+                            *((tuple(n.split("/")), z) for n, z in references.items())]:
+            url = _join(self.url, *parts)
             try:
-                got = self._retry(f"stat {url}", functools.partial(fs.size, self._key(dest.name, name)))
+                got = self._retry(f"stat {url}", functools.partial(fs.size, self._key(*parts)))
             except FileNotFoundError:
                 raise CheckpointSaveError(f"{url} is missing at commit time") from None
             if got != size:
@@ -967,18 +1117,27 @@ class ObjectRoot(Root):
         fs = self._fs()[0]
         url = _join(self.url, dest.name, MANIFEST_NAME)
         self.faults.check("manifest", url)
+        old = self.manifest_bytes(dest.name)
+        if old is not None and any(n.startswith(dest.name + "/") for n in self.referenced(
+                skip=[dest.step] if dest.step is not None else [])):
+            # other checkpoints read files of the one this replaces: its manifest is kept, retired, to prove them
+            retired = f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
+            self._retry(f"upload {_join(self.url, dest.name, retired)}",
+                        lambda: fs.pipe_file(self._key(dest.name, retired), old))
         self._retry(f"upload {url}", lambda: fs.pipe_file(self._key(dest.name, MANIFEST_NAME), manifest))
         crash_point("commit.renamed", dest.step)
         self._drop_other_saves(dest)
 
     def _drop_other_saves(self, dest: Destination) -> None:
-        """After the commit: delete data files that earlier or failed saves of this step left."""
+        """After the commit: delete data files that earlier or failed saves of this step left (not those
+        a retired manifest lists: :meth:`collect` deletes them once nothing reads them)."""
         try:
             fs = self._fs()[0]
             tag = dest.save_id[:16]
+            kept = {f for _, m in self._retired(dest.name) for f in _listed(m)}
             for n in self._ls(dest.name):
                 m = _DATA_RE.match(n)
-                if m and m.group(2) != tag:
+                if m and m.group(2) != tag and n not in kept:
                     fs.rm(self._key(dest.name, n))
         except Exception as e:  # committed; leftovers are only space
             log.warning("could not remove older data files under %s: %s", self.path(dest.name), e)
@@ -1006,13 +1165,22 @@ class ObjectRoot(Root):
         except Exception as e:
             log.warning("could not remove the partial upload under %s: %s", self.path(dest.name), e)
 
-    def delete_step(self, step: int, saving: Optional[int] = None) -> None:
+    def delete_step(self, step: int, saving: Optional[int] = None, live: AbstractSet[str] = frozenset()) -> None:
         name = step_name(step)
-        m = self._manifest(name)
+        m = self.manifest(name)
         if m is None:
             log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
             return
         fs = self._fs()[0]
+        if any(n.startswith(name + "/") for n in live):  # later checkpoints read some of its files: retire it
+            raw = self.manifest_bytes(name)
+            retired = f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
+            self._retry(f"upload {_join(self.url, name, retired)}", lambda: fs.pipe_file(self._key(name, retired), raw))
+            self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
+            crash_point("retain.moved", saving)
+            self._collect_prefix(name, live)
+            log.info("retention: retired %s (later checkpoints read some of its files)", self.path(name))
+            return
         # the manifest first: a half-deleted checkpoint is never listed
         self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
         crash_point("retain.moved", saving)
@@ -1040,12 +1208,53 @@ class ObjectRoot(Root):
                 s = parse_step(n)
                 if s is None or s in committed or s == dest.step:
                     continue
+                kept = {f for _, m in self._retired(n) for f in _listed(m)}  # collect() deletes those
                 for f in self._ls(n):
-                    if _DATA_RE.match(f):
+                    if _DATA_RE.match(f) and f not in kept:
                         self._retry(f"delete {n}/{f}", functools.partial(fs.rm, self._key(n, f)))
                         log.info("removed %s, left by an earlier save", _join(self.url, n, f))
         except Exception as e:  # committed; leftovers are only space
             log.warning("could not sweep the leftovers of earlier saves under %s: %s", self.url, e)
+
+    def _retired(self, name: str) -> List[Tuple[str, Manifest]]:
+        """The retired manifests under prefix ``name`` (only those that parse: they prove the files)."""
+        out = []
+        for n in self._ls(name):
+            if not _RETIRED_RE.match(n):
+                continue
+            url = _join(self.url, name, n)
+            try:
+                out.append((n, Manifest.from_json_bytes(remote.read_small(url, MANIFEST_PROOF_MAX_BYTES,
+                                                                          self.storage_options), url)))
+            except (CheckpointError, OSError):
+                log.warning("%s is not a nostall manifest: left alone", url)
+        return out
+
+    def _collect_prefix(self, name: str, live: AbstractSet[str]) -> None:
+        fs = self._fs()[0]
+        for rname, m in self._retired(name):
+            left = False
+            for f in _listed(m):
+                if f"{name}/{f}" in live:
+                    left = True
+                    continue
+                try:
+                    self._retry(f"delete {_join(self.url, name, f)}", functools.partial(fs.rm, self._key(name, f)))
+                except FileNotFoundError:
+                    pass  # deleted already
+            if not left:
+                self._retry(f"delete {_join(self.url, name, rname)}", functools.partial(fs.rm, self._key(name, rname)))
+
+    def collect(self, live: AbstractSet[str]) -> None:
+        try:
+            fs, key = self._fs()
+            fs.invalidate_cache()
+            for p in self._retry(f"list {self.url}", lambda: fs.glob(f"{key.rstrip('/')}/step_*/{RETIRED_PREFIX}*")):
+                name = os.path.basename(os.path.dirname(str(p)))
+                if parse_step(name) is not None:
+                    self._collect_prefix(name, live)
+        except Exception as e:  # committed; leftovers are only space
+            log.warning("could not delete the retired files under %s: %s", self.url, e)
 
     # ------------------------------------------------------------------ records
     def _records(self, dest: Destination, *name: str) -> Tuple[str, ...]:

@@ -39,7 +39,8 @@ from ._comm import Comm
 from ._faults import Faults, crash_point
 from ._tensorbuf import byte_view, host_contiguous
 from .background import BackgroundWriter
-from .commit import Barrier, run_job, write_files
+from .commit import Barrier, run_job
+from .datafiles import History, write_files
 from .errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
 from .format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name
 from .handles import SaveStats
@@ -253,6 +254,9 @@ class Saver:
         self.faults = faults if faults is not None else Faults()
         self._plan: Optional[SavePlan] = None
         self._shared: Dict[str, Tuple[int, ...]] = {}  # keys several ranks hold a copy of (for the plan above)
+        self._history = History()  # synchronous saves' memory of this rank's last committed save (incremental)
+        self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
+        self._chain = 0  # saves in the current chain (Options.full_every)
 
     # ------------------------------------------------------------------ collective phases
     def plan(self, state: Any) -> SavePlan:
@@ -376,16 +380,29 @@ class Saver:
         return InvalidStateError(problem) if problem is not None else None
 
     def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
+        incremental = self.options.incremental and p.dest.move_latest  # only in a root whose steps a manager owns
+        dest = replace(p.dest, tagged=True) if incremental else p.dest  # names an earlier manifest never used
         manifest = None
         if self.comm.rank == 0:
-            root = p.dest.root
+            root = dest.root
             manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
-                                                 self.options.block_size).renamed(lambda n: root.data_name(p.dest, n)),
-                               side_files={n: replace(r, stored="" if root.data_name(p.dest, n) == n
-                                                      else root.data_name(p.dest, n))
+                                                 self.options.block_size).renamed(lambda n: root.data_name(dest, n)),
+                               side_files={n: replace(r, stored="" if root.data_name(dest, n) == n
+                                                      else root.data_name(dest, n))
                                            for n, r in side_files.records(p.side_files).items()})
-        return SaveJob(p.dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
-                       manifest=manifest, faults=self.faults, side_files=p.side_files)
+        base_id, base_name = self._base
+        full = (not base_id or base_name == dest.name
+                or (self.options.full_every is not None and self._chain >= self.options.full_every))
+        return SaveJob(dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
+                       manifest=manifest, faults=self.faults, side_files=p.side_files, incremental=incremental,
+                       base="" if full or not incremental else base_id)
+
+    def _committed(self, job: SaveJob) -> None:
+        """``job`` committed: the next incremental save may reuse its pieces."""
+        if job.incremental:
+            self._chain = self._chain + 1 if job.base else 1
+            self._base = (job.save_id, job.dest.name)
+
 
     # ------------------------------------------------------------------ synchronous
     def save(self, state: Any, template: Destination, t_call: Optional[float] = None,
@@ -408,9 +425,10 @@ class Saver:
         def source(i: int, f: FileJob) -> Tuple[memoryview, Iterator[Tuple[int, memoryview]]]:
             return memoryview(files[i].header), _tensor_parts(files[i], p.flat)
 
-        result = run_job(job, write_files(source), CollectiveBarrier(comm))
+        result = run_job(job, write_files(source), CollectiveBarrier(comm), self._history)
         if not result.ok:
             raise _failure(p.step, result)
+        self._committed(job)
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=comm.rank, world_size=comm.size, async_save=False,
@@ -483,6 +501,7 @@ class Saver:
         p = pending.prepared
         if not result.ok:
             raise _failure(p.step, result)
+        self._committed(pending.job)
         t_end = time.perf_counter()
         stats = SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,

@@ -78,33 +78,75 @@ class Pacer:
             time.sleep(ahead)
 
 
-def write_file(path: str, chunks: Iterable[memoryview], pacer: Optional[Pacer] = None) -> int:
-    """Create ``path`` from ``chunks``, fsync it, return the bytes written.
+class FileWriter:
+    """A new file, written at a position that normally only moves forward, then fsynced.
 
     Writes go out in pieces of at most 64 MiB; after each, the disk is asked
     to start writing it (see :func:`_writeback_starter`); ``pacer`` caps the
-    rate.
+    rate. :meth:`seek` moves the position back (an incremental save drops a
+    piece it wrote before it knew the piece was unchanged); :meth:`finish`
+    cuts the file at the position, fsyncs and closes it. Use as a context
+    manager: the descriptor is closed on error (the file stays; its save's
+    clean-up removes it).
     """
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
-    total = 0
-    try:
+
+    def __init__(self, path: str, pacer: Optional[Pacer] = None) -> None:
+        self.path = path
+        self.pacer = pacer
+        self.pos = 0
+        self._fd: Optional[int] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
+                                          0o644)
+
+    def __enter__(self) -> "FileWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def write(self, chunk: memoryview) -> None:
+        assert self._fd is not None
+        mv = memoryview(chunk).cast("B")
+        for i in range(0, len(mv), _WRITE_CHUNK):
+            part = mv[i : i + _WRITE_CHUNK]
+            start = self.pos
+            while len(part):
+                n = os.pwrite(self._fd, part, self.pos)
+                part = part[n:]
+                self.pos += n
+            if _start_writeback is not None and self.pos - start >= 1 << 20:
+                _start_writeback(self._fd, start, self.pos - start)
+            if self.pacer is not None:
+                self.pacer.wrote(self.pos - start)
+
+    def seek(self, pos: int) -> None:
+        self.pos = pos
+
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Overwrite bytes at ``offset`` (a header laid out once the pieces are known); the position stays."""
+        assert self._fd is not None
+        view = memoryview(data)
+        while len(view):
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def finish(self) -> int:
+        """Cut the file at the position, fsync it, close it; its size."""
+        assert self._fd is not None
+        os.ftruncate(self._fd, self.pos)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
+        return self.pos
+
+
+def write_file(path: str, chunks: Iterable[memoryview], pacer: Optional[Pacer] = None) -> int:
+    """Create ``path`` from ``chunks``, fsync it, return the bytes written (see :class:`FileWriter`)."""
+    with FileWriter(path, pacer) as w:
         for chunk in chunks:
-            mv = memoryview(chunk).cast("B")
-            for i in range(0, len(mv), _WRITE_CHUNK):
-                part = mv[i : i + _WRITE_CHUNK]
-                start = total
-                while len(part):
-                    n = os.write(fd, part)
-                    part = part[n:]
-                    total += n
-                if _start_writeback is not None and total - start >= 1 << 20:
-                    _start_writeback(fd, start, total - start)
-                if pacer is not None:
-                    pacer.wrote(total - start)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return total
+            w.write(chunk)
+        return w.finish()
 
 
 def fsync_dir(path: str) -> None:

@@ -16,9 +16,10 @@ import sys
 import time
 from typing import Any, Callable, Iterator, List, NoReturn, Optional, Tuple
 
-from .commit import Checksums, RecordBarrier, Writer, run_job, write_files
+from .commit import RecordBarrier, run_job
+from .datafiles import Base, Checksums, History, Writer, collect, file_out, write_files
 from .errors import CheckpointSaveError
-from .jobs import Crcs, FileJob, JobResult, Msg, Op, SaveJob, Segment
+from .jobs import FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
 from . import storage
 
 log = logging.getLogger("nostall")
@@ -40,12 +41,14 @@ def from_area(area: memoryview) -> Writer:
 def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
     """Write a job whose bytes arrive chunk by chunk (a host-memory budget).
 
-    Segments come in file order. A chunk is released (its half of the area
-    reused by the trainer) once every segment of it is written.
+    Segments come in file order, each within a file's header or one piece. A
+    chunk is released (its half of the area reused by the trainer) once
+    every segment of it is written and checksummed.
     """
 
-    def write(job: SaveJob, staging: str) -> Crcs:
+    def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
         pacer = storage.Pacer(job.max_write_rate)
+        outs = []
         with Checksums(job.block_size) as sums:
 
             def segments() -> Iterator[Segment]:
@@ -58,28 +61,18 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
 
             source = segments()
             for fi, f in enumerate(job.files):
-                path = os.path.join(staging, f.name)
-
-                def parts(fi: int = fi, f: FileJob = f) -> Iterator[memoryview]:
-                    pos, pi = 0, 0
+                with file_out(job, f, staging, sums, pacer, base) as out:
+                    pos = 0
                     while pos < f.size:
                         seg = next(source, None)
                         if seg is None or seg.file != fi or seg.start != pos:
                             raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
-                        buf = area[seg.area_offset : seg.area_offset + seg.end - seg.start]
-                        if seg.start >= f.header_size:
-                            while f.pieces[pi][1] <= seg.start:
-                                pi += 1
-                            sums.add((f.name, *f.pieces[pi]), buf)
-                        yield buf
+                        out.add(seg.start, area[seg.area_offset : seg.area_offset + seg.end - seg.start])
                         pos = seg.end
-
-                n = storage.write_file(path, parts(), pacer)
-                if n != f.size:
-                    raise RuntimeError(f"{path}: wrote {n} bytes, the plan says {f.size}")
+                    outs.append((f, out.close(), out.ids))
                 for start, end in f.pieces:
                     sums.expect((f.name, start, end))  # empty pieces have no segment
-            return sums.result()
+            return collect(job, outs, sums.result(), base)
 
     return write
 
@@ -198,6 +191,7 @@ def main(fd: int, trainer_pid: int = 0) -> int:
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(fd))
     area: Optional[mmap.mmap] = None
+    history = History()  # this rank's last committed save, for incremental saves
     lowered = False  # the priority drops once the writer is ready (start-up imports at nice 10 on a busy
     # machine took seconds of the first save's deadline: importing s3fs 0.6 s at nice 0, 5 s at nice 10)
     view: Optional[memoryview] = None
@@ -237,7 +231,7 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                     else:
                         write = (write_chunked(view, _chunk_feed(conn, time.monotonic() + job.timeout))
                                  if job.chunked else from_area(view))
-                        result = run_job(job, write, RecordBarrier())
+                        result = run_job(job, write, RecordBarrier(), history)
                     conn.send(Msg(Op.RESULT, result=result))
                 elif msg.op is Op.PING:
                     conn.send(Msg(Op.PONG, size=os.getpid()))
