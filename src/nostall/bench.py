@@ -739,7 +739,7 @@ def _remove_remote(url: str, storage_options: Optional[Dict[str, Any]]) -> None:
         print(f"could not remove {url}: {e}", file=sys.stderr)
 
 
-MODES = {"train": "nostall.bench_train", "scale": "nostall.bench_scale"}
+MODES = {"train": "nostall.bench_train", "scale": "nostall.bench_scale", "incremental": "nostall.bench_incremental"}
 """``nostall bench MODE ...``: the other benchmarks, each in its own module with its own ``main(argv)``."""
 
 
@@ -758,7 +758,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                                              "machine's limits (a copy and a sequential write of the same bytes). "
                                              "Progress goes to stderr, the table to stdout. Other modes: "
                                              "'nostall bench train -h' (what a training loop pays per save, end "
-                                             "to end), 'nostall bench scale -h' (cost as the work grows).")
+                                             "to end), 'nostall bench scale -h' (cost as the work grows), "
+                                             "'nostall bench incremental -h' (what incremental saves write).")
     ap.add_argument("--ranks", type=int, default=2, metavar="N",
                     help="processes (gloo ranks on this machine), each saving its shard of the state "
                          "(default: %(default)s)")
