@@ -271,20 +271,23 @@ def walk_value(value: Any, visit: Visit) -> Any:
     return _walk(value, (), visit)
 
 
-def _walk(v: Any, path: Tuple, visit: Visit, root: bool = False) -> Any:
+def _walk(v: Any, path: Tuple, visit: Visit, root: bool = False, key: str = "") -> Any:
+    """Walk ``v`` at ``path``; ``key`` is ``join_key(path)``, built along the way (one component a level)."""
     if is_tensor_leaf(v):
-        return visit("tensor", join_key(path), v)
+        return visit("tensor", key, v)
     if isinstance(v, PerRank):
-        return visit("per_rank", join_key(path), v)
+        return visit("per_rank", key, v)
     if isinstance(v, Mapping) and (root or _contains_special(v)):
         out = {}
         for k, x in v.items():
-            out[k] = _walk(x, path + (_component(k, path),), visit)
+            c = _component(k, path)
+            out[k] = _walk(x, path + (c,), visit, False, f"{key}/{escape_component(c)}" if path
+                           else escape_component(c))
         return _rebuild_mapping(v, out)
     if isinstance(v, (list, tuple)) and _contains_special(v):
-        items = [_walk(x, path + (i,), visit) for i, x in enumerate(v)]
+        items = [_walk(x, path + (i,), visit, False, f"{key}/{i}" if path else str(i)) for i, x in enumerate(v)]
         return type(v)(items) if isinstance(v, tuple) and not hasattr(v, "_fields") else items
-    return visit("object", join_key(path), v)
+    return visit("object", key, v)
 
 
 def _rebuild_mapping(orig: Mapping, items: Dict) -> Any:
@@ -321,7 +324,8 @@ def _memory_identity(lt: LocalTensor) -> Optional[Tuple[Any, ...]]:
         ptr = d.untyped_storage().data_ptr()
     except Exception:  # a tensor subclass without an inspectable storage: never tied
         return None
-    return (str(d.device), d.dtype, ptr, d.storage_offset(), tuple(d.shape), tuple(d.stride()),
+    # d.device, not its str: equal devices print alike (and it costs a fraction)
+    return (d.device, d.dtype, ptr, d.storage_offset(), tuple(d.shape), d.stride(),
             lt.global_shape, lt.global_offset, lt.sharded, lt.main)
 
 

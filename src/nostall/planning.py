@@ -33,6 +33,7 @@ from .format import data_file_name, itemsize, layout_entries, quick_tiles
 from .model import FlatState, numel
 
 Shape = Tuple[int, ...]
+_new = object.__new__
 
 
 # --------------------------------------------------------------------------- local metadata
@@ -88,14 +89,19 @@ def _meta_repr(tensors: Tuple[TensorMeta, ...], per_rank: Tuple[Tuple[str, str, 
 
 def local_meta(flat: FlatState) -> RankMeta:
     tensors = []
+    codes: Dict[Any, str] = {}  # dtype -> code, looked up once per dtype
     for t in flat.tensors.values():
-        code = dtype_code(t.data.dtype)
+        dt = t.data.dtype
+        code = codes.get(dt)
         if code is None:
-            raise InvalidStateError(f"key {t.key!r}: dtype {t.data.dtype} is not supported")
-        tensors.append(
-            TensorMeta(t.key, code, t.global_shape, t.global_offset, tuple(t.data.shape), t.sharded, t.main,
-                       t.tied_to)
-        )
+            c = dtype_code(dt)
+            if c is None:
+                raise InvalidStateError(f"key {t.key!r}: dtype {dt} is not supported")
+            code = codes[dt] = c
+        m = _new(TensorMeta)  # TensorMeta(...) without the frozen dataclass's per-field setattr
+        m.__dict__.update(key=t.key, dtype=code, global_shape=t.global_shape, offset=t.global_offset,
+                          shape=tuple(t.data.shape), sharded=t.sharded, main=t.main, tied_to=t.tied_to)
+        tensors.append(m)
     per_rank = []
     for k, v in flat.per_rank_tensors.items():
         code = dtype_code(v.dtype)
@@ -175,7 +181,6 @@ _MAIN = attrgetter("main")
 _START = attrgetter("start")
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
-_new = object.__new__
 
 # A piece while planning: (key, offset, shape, dtype code, holders (sorted ranks)).
 _Piece = Tuple[str, Shape, Shape, str, List[int]]
