@@ -51,7 +51,7 @@ import nostall
 
 TIMEOUT_S = 3.0  # the jobs' CheckpointManager timeout (every wait in the library is bounded by it)
 ROWS, COLS = 256, 1024  # per rank: 1 MiB of float32 (sharded) + a replicated vector
-STEPS_PER_JOB = 5
+STEPS_PER_JOB = 5  # saves per job (a Dest may set fewer; retention at keep_last=2 needs 3)
 TRAINER_POINTS = ("planned", "staged")
 WRITER_POINTS = ("write.start", "write.done")
 COMMIT_POINTS = ("commit.ready", "commit.manifest", "commit.renamed", "retain.moved")
@@ -87,6 +87,7 @@ class Dest:
     root: str
     storage_options: Optional[Dict[str, Any]] = None
     timeout: float = TIMEOUT_S
+    steps_per_job: int = STEPS_PER_JOB  # each job saves this many steps; a crash point hits one of them
 
     @property
     def remote(self) -> bool:
@@ -110,7 +111,7 @@ class Dest:
 
     def beside(self, suffix: str) -> "Dest":
         """Another root of the same kind next to this one (the calibration job's)."""
-        return Dest(self.root.rstrip("/") + suffix, self.storage_options, self.timeout)
+        return Dest(self.root.rstrip("/") + suffix, self.storage_options, self.timeout, self.steps_per_job)
 
 
 # --------------------------------------------------------------------------- the job (child side)
@@ -185,7 +186,7 @@ def _job_rank(rank: int, world: int, init_file: str, dest: Dest, crash: Optional
             if not (torch.equal(tmpl["w"].data, want["w"].data) and got["meta"] == {"step": start}
                     and torch.equal(got["rng"], want["rng"].value)):
                 raise AssertionError(f"rank {rank}: resumed state of step {start} is wrong")
-        for step in range(start + 1, start + STEPS_PER_JOB + 1):
+        for step in range(start + 1, start + dest.steps_per_job + 1):
             st = state_for(step, rank, world)
             mgr.save(step, st)
             st["w"].data.fill_(-1.0)  # "training" changes the state right after save() returns
@@ -338,15 +339,15 @@ def _save_span(out_dir: str) -> Optional[float]:
     return max(m["t"] for m in marks[2:]) - max(m["t"] for m in marks[:2])
 
 
-def _calibrate(ctx: Any, dest: Dest, tmp: str) -> float:
+def _calibrate(ctx: Any, dest: Dest, tmp: str, warm: bool = False) -> float:
     """Run two uncrashed jobs (on a root of their own) and return how long the second one's saves
-    took (the first one pays for warming up)."""
+    took (the first one pays for warming up); one job when ``warm`` (jobs ran here already)."""
     cal = dest.beside("-calibration") if dest.remote else Dest(os.path.join(tmp, "calibration-run"),
-                                                               timeout=dest.timeout)
+                                                               timeout=dest.timeout, steps_per_job=dest.steps_per_job)
     if not cal.remote:
         os.makedirs(cal.root)
     span = None
-    for i in range(2):
+    for i in range(1 if warm else 2):
         out_dir = os.path.join(tmp, f"calibration{i}")
         os.makedirs(out_dir)
         procs = _start_job(ctx, cal, out_dir, None, None, True, False)
@@ -416,6 +417,8 @@ def _check_root(dest: Dest, trial: Trial) -> None:
 def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
     """Run ``n`` trials on one destination (a local temp dir unless given); returns the report."""
     rng = random.Random(seed)
+    if dest is not None and dest.steps_per_job < 3:
+        raise ValueError("retain.moved needs 3 saves per job (keep_last=2)")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "nostall.manager", "nostall.loading", __name__])
     t_all = time.monotonic()
@@ -424,7 +427,9 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
         dest = dest or Dest(os.path.join(tmp, "run"))
         if not dest.remote:
             os.makedirs(dest.root, exist_ok=True)
-        spans = [_calibrate(ctx, dest, tmp)]
+        # the kills' time scale: measured before the first kill trial (after the point trials, which
+        # warmed everything up, one calibration job is enough), then on every kill trial's job
+        spans: List[float] = []
         for i, (mode, target, detail, async_save, crash) in enumerate(_plan(n, rng, dest.remote)):
             trial = Trial(i, mode, target, detail, async_save, dest.latest_step())
             out_dir = os.path.join(tmp, f"trial{i}")
@@ -432,7 +437,7 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
             start = trial.latest_before or 0
             crash_rank = None
             if crash is not None:
-                step = start + rng.randint(1, STEPS_PER_JOB)
+                step = start + rng.randint(1, dest.steps_per_job)
                 if detail == "retain.moved":
                     # retention (keep_last=2) deletes step start+1 while saving start+3, and start+3 while
                     # saving start+5: this point is reached whether it names the step saved or the one deleted
@@ -443,7 +448,9 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
                 trial.label = point_label(target.split()[0], detail, async_save)
             # every survivor must return or raise within the bound: the library's timeout plus start-up
             bound = 3 * dest.timeout + 10
-            span = sorted(spans)[len(spans) // 2]
+            if mode == "kill" and not spans:
+                spans.append(_calibrate(ctx, dest, tmp, warm=i > 0))
+            span = sorted(spans)[len(spans) // 2] if spans else 0.0
             procs = _start_job(ctx, dest, out_dir, crash, crash_rank, async_save, gate=mode == "kill")
             t0 = time.monotonic()
             if mode == "kill":
@@ -521,4 +528,5 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
             left = [n for n in os.listdir(os.path.join(dest.root, ".tmp")) if n != ".lock"]
             if left:
                 trials[-1].problems.append(f"leftovers not cleaned by a new manager: {left}")
-    return Report(trials, seed, time.monotonic() - t_all, dest.timeout, sorted(spans)[len(spans) // 2])
+    return Report(trials, seed, time.monotonic() - t_all, dest.timeout,
+                  sorted(spans)[len(spans) // 2] if spans else 0.0)

@@ -1,7 +1,12 @@
-"""Crash consistency: SIGKILL at every phase of a save, 50+ trials, nothing committed is ever lost.
+"""Crash consistency: SIGKILL at every phase of a save, then random kills; nothing committed is ever lost.
 
+The default run covers every crash point once (17 trials) and then 18
+random kills (35 trials; ``NOSTALL_CRASH_TRIALS=52`` runs the former default).
 ``NOSTALL_CRASH_TRIALS=500 make test PYTEST_ARGS="-k crash"`` is the soak mode
-(figures in docs/reliability.md); CI runs the default count. The verdicts do
+(figures in docs/reliability.md); CI runs the default count. On object storage,
+``NOSTALL_S3_CRASH_TRIALS`` sets the count (default 18: every crash point, one
+kill) and ``NOSTALL_S3_CRASH_STEPS`` the saves per job (default 3, the fewest
+that reach retention; 5 as on a local root for the full run). The verdicts do
 not depend on the machine's speed (``make test-burn`` runs them beside
 CPU burners): kills are timed on this machine's own save time and always hit
 a running job (see tests/crash_harness.py).
@@ -16,7 +21,8 @@ import pytest
 from tests.crash_harness import Dest, Report, expected_points, run_trials
 
 
-TRIALS = int(os.environ.get("NOSTALL_CRASH_TRIALS", "52"))
+TRIALS = int(os.environ.get("NOSTALL_CRASH_TRIALS", "35"))
+MIN_KILLS = 18  # random kills after the crash points (a smaller NOSTALL_CRASH_TRIALS fails the test)
 
 
 def _check(report: Report, tmp_path, remote: bool) -> None:
@@ -43,12 +49,13 @@ def test_crash_consistency_trials(capsys, tmp_path):
     with capsys.disabled():
         print("\n" + report.summary())
     _check(report, tmp_path, remote=False)
-    assert len(report.trials) == n and n >= 50
+    assert len(report.trials) == n and n - len(expected_points(False)) >= MIN_KILLS
     # the run made progress across the crashes: training resumed and committed new checkpoints
     assert report.trials[-1].latest_after and report.trials[-1].latest_after > 3 * len(report.trials) // 4
 
 
 S3_TRIALS = int(os.environ.get("NOSTALL_S3_CRASH_TRIALS", "18"))
+S3_STEPS = int(os.environ.get("NOSTALL_S3_CRASH_STEPS", "3"))  # saves per job (local roots: 5)
 
 
 @pytest.mark.timeout(max(300, 8 * S3_TRIALS))
@@ -56,7 +63,7 @@ def test_crash_consistency_trials_on_object_storage(capsys, tmp_path, s3):
     """The same trials with an s3:// root (a real S3-compatible server on loopback): kills mid-upload too."""
     n = S3_TRIALS
     bucket = s3.make_bucket("crash")
-    dest = Dest(f"s3://{bucket}/run", s3.storage_options, timeout=3.0)
+    dest = Dest(f"s3://{bucket}/run", s3.storage_options, timeout=3.0, steps_per_job=S3_STEPS)
     report = run_trials(n, int(os.environ.get("NOSTALL_CRASH_SEED", "20261201")), dest)
     with capsys.disabled():
         print("\n" + report.summary())
