@@ -83,20 +83,20 @@ def _write_fails_on_rank1(rank, world, root):
     import nostall
     from nostall import storage
 
-    real = storage.write_file
+    real = storage.FileWriter.write
     with nostall.CheckpointManager(root) as mgr:
         state = {"w": torch.arange(1000.0), "s": nostall.ShardedTensor(torch.ones(8) * rank, (16,), (8 * rank,))}
         mgr.save(1, state)
 
-        def enospc(path, chunks):
-            raise OSError(errno.ENOSPC, "No space left on device", path)
+        def enospc(self, chunk):
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
 
         if rank == 1:
-            storage.write_file = enospc
+            storage.FileWriter.write = enospc  # type: ignore[method-assign]
         try:
             msg = _expect(lambda: mgr.save(2, state), "CheckpointSaveError", "rank 1", "No space left", "step 2")
         finally:
-            storage.write_file = real
+            storage.FileWriter.write = real  # type: ignore[method-assign]
         assert mgr.steps() == [1] and mgr.latest_step() == 1
         assert not os.path.exists(os.path.join(root, "step_2"))
         assert not os.path.exists(os.path.join(root, ".tmp", "step_2"))

@@ -263,20 +263,18 @@ def test_manager_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 
 def _enospc_on_data_files(monkeypatch: pytest.MonkeyPatch) -> list:
-    real = nostall.storage.write_file
+    real = nostall.storage.FileWriter.write
     calls: list = []
 
-    def failing(path, chunks):
-        if str(path).endswith(".safetensors"):
-            calls.append(path)
-            with open(path, "wb") as f:  # a partial file, as a full disk leaves it
-                for c in chunks:
-                    f.write(c)
-                    break
+    def failing(self, chunk):
+        if str(self.path).endswith(".safetensors"):
+            if self.pos == 0:  # a partial file, as a full disk leaves it: the first write lands
+                calls.append(self.path)
+                return real(self, chunk)
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(path, chunks)
+        return real(self, chunk)
 
-    monkeypatch.setattr(nostall.storage, "write_file", failing)
+    monkeypatch.setattr(nostall.storage.FileWriter, "write", failing)
     return calls
 
 

@@ -11,7 +11,7 @@ import torch
 import nostall
 from nostall import storage
 from nostall._tensorbuf import byte_view
-from nostall.commit import Checksums
+from nostall.datafiles import Checksums
 from nostall.format import block_crcs
 from nostall.loading import check_checkpoint
 from nostall.options import Options
