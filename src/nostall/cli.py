@@ -1,10 +1,12 @@
-"""Command line: ``nostall inspect|verify|ls|convert|bench``.
+"""Command line: ``nostall inspect|verify|ls|copy|convert|bench``.
 
 ``inspect PATH`` shows what a checkpoint holds, ``verify PATH`` re-reads every
-byte, ``ls ROOT`` lists a run root's committed steps, ``convert SRC DST``
-imports DCP checkpoints and exports safetensors / torch.save files, ``bench``
-compares against DCP. ``--json`` gives machine-readable output. A path may also
-be a run root's ``latest`` file: the checkpoint it names.
+byte, ``ls ROOT`` lists a run root's committed steps, ``copy SRC DST`` makes a
+self-contained copy of one checkpoint (an incremental one's references
+resolved), ``convert SRC DST`` imports DCP checkpoints and exports
+safetensors / torch.save files, ``bench`` compares against DCP. ``--json``
+gives machine-readable output. A path may also be a run root's ``latest``
+file: the checkpoint it names.
 
 Errors are one line on stderr (``nostall CMD: FAILED: ...``) and exit status 1;
 usage errors exit 2; ``NOSTALL_DEBUG=1`` adds the traceback.
@@ -59,7 +61,22 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _read_from(m: Manifest) -> Dict[str, int]:
+    """Tensor bytes read from each data file (own and referenced), each piece counted once (a tied key's
+    pieces are its target's)."""
+    seen = set()
+    out = {n: 0 for n in m.all_files()}
+    recs = list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]
+    for t in recs:
+        for p in t.pieces:
+            if (p.file, p.start, p.end) not in seen:
+                seen.add((p.file, p.start, p.end))
+                out[p.file] = out.get(p.file, 0) + p.nbytes
+    return out
+
+
 def _summary(path: str, m: Manifest) -> Dict[str, Any]:
+    read = _read_from(m)
     tensors = []
     for k, t in sorted(m.tensors.items()):
         # a tied key's bytes are its tie's (stored once): counted there only
@@ -75,9 +92,16 @@ def _summary(path: str, m: Manifest) -> Dict[str, Any]:
         "step": m.step,
         "format_version": m.version,
         "world_size": m.world_size,
-        "files": [{"name": f.name, "rank": f.rank, "size": f.size}
+        "files": [{"name": f.name, "rank": f.rank, "size": f.size, "tensor_bytes": read.get(f.name, 0)}
                   for f in sorted(m.files.values(), key=lambda f: f.name)],
         "total_bytes": sum(f.size for f in m.files.values()),
+        # incremental checkpoints: what is read from data files of earlier checkpoints of the root
+        "incremental": bool(m.references),
+        "own_bytes": sum(b for n, b in read.items() if "/" not in n),
+        "referenced_bytes": sum(b for n, b in read.items() if "/" in n),
+        "references": [{"name": f.name, "checkpoint": f.name.split("/")[0], "rank": f.rank, "size": f.size,
+                        "tensor_bytes": read.get(f.name, 0)}
+                       for f in sorted(m.references.values(), key=lambda f: f.name)],
         "tensors": tensors,
         "objects": sorted(m.objects),
         "per_rank": [{"tensors": sorted(r.tensors), "objects": sorted(r.objects)} for r in m.per_rank],
@@ -93,8 +117,20 @@ def _print_summary(s: Dict[str, Any]) -> None:
         print(f"step        {s['step']}")
     print(f"world size  {s['world_size']}  (format version {s['format_version']})")
     print(f"data        {len(s['files'])} file(s), {_human(s['total_bytes'])}")
+    refs = s["references"]
+    w = max([len(f["name"]) for f in s["files"] + refs] + [28])
     for f in s["files"]:
-        print(f"  {f['name']:<28} rank {f['rank']:<5} {_human(f['size']):>12}")
+        own = f"  {_human(f['tensor_bytes'])} of tensor data" if refs else ""
+        print(f"  {f['name']:<{w}} rank {f['rank']:<5} {_human(f['size']):>12}{own}")
+    if refs:
+        total = s["own_bytes"] + s["referenced_bytes"]
+        share = 100.0 * s["referenced_bytes"] / total if total else 0.0
+        print(f"incremental {_human(s['own_bytes'])} of tensor data in its own files, "
+              f"{_human(s['referenced_bytes'])} ({share:.0f}%) read from {len(refs)} file(s) of earlier "
+              f"checkpoint(s) ({', '.join(sorted({f['checkpoint'] for f in refs}))}):")
+        for f in refs:
+            print(f"  {f['name']:<{w}} rank {f['rank']:<5} {_human(f['size']):>12}  "
+                  f"{_human(f['tensor_bytes'])} of tensor data read")
     print(f"tensors     {len(s['tensors'])}")
     w = max([len(t["key"]) for t in s["tensors"]] + [3])
     for t in s["tensors"]:
@@ -146,19 +182,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     so = _options(args)
     path = _resolve(args.path, so)
+    referenced = sorted(read_manifest(path, so).references)  # (check_checkpoint reads them, and raises the same)
     report = check_checkpoint(path, so)
     where = path
     if getattr(args, "json", False):
         json.dump({"path": where, "ok": report.ok, "files": report.files, "bytes": report.bytes,
-                   "problems": report.problems}, sys.stdout, indent=1)
+                   "referenced": referenced, "problems": report.problems}, sys.stdout, indent=1)
         print()
         return 0 if report.ok else 1
+    refs = (f" ({len(referenced)} of them of earlier checkpoints, read by this incremental one: "
+            f"{', '.join(referenced)})") if referenced else ""
     if report.problems:
-        print(f"FAILED  {where}: {len(report.problems)} problem(s)", file=sys.stderr)
+        print(f"FAILED  {where}: {len(report.problems)} problem(s) in {report.files} file(s){refs}", file=sys.stderr)
         for problem in report.problems:
             print(f"  - {problem}", file=sys.stderr)
         return 1
-    print(f"OK  {where}: {report.files} file(s), {_human(report.bytes)} of tensor data, every checksum matches")
+    print(f"OK  {where}: {report.files} file(s){refs}, {_human(report.bytes)} of tensor data, every checksum "
+          "matches")
     return 0
 
 
@@ -172,9 +212,12 @@ def _entry(root: roots.Root, name: str, step: Optional[int], so: Optional[Dict[s
     try:
         m = read_manifest(path, so)
         e.update(bytes=sum(f.size for f in m.files.values()), files=len(m.files), tensors=len(m.tensors),
-                 world_size=m.world_size)
+                 world_size=m.world_size,
+                 referenced_bytes=sum(b for n, b in _read_from(m).items() if "/" in n),
+                 references=sorted({n.split("/")[0] for n in m.references}))
     except (CheckpointError, OSError) as err:
-        e.update(bytes=None, files=None, tensors=None, world_size=None, error=str(err))
+        e.update(bytes=None, files=None, tensors=None, world_size=None, referenced_bytes=None, references=None,
+                 error=str(err))
     e["modified"] = root.committed_at(name)
     return e
 
@@ -223,6 +266,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         mark = "  <- latest" if e["latest"] else ""
         detail = (f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None
                   else f"UNREADABLE: {e['error']}")
+        if e.get("references"):
+            detail += f", reads {_human(e['referenced_bytes'])} from {', '.join(e['references'])}"
         print(f"  {name:<14} {size:>11}  {e['modified'] or '?':<20}  {detail}{mark}")
     return 0
 
@@ -352,6 +397,54 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- copy
+
+
+def cmd_copy(args: argparse.Namespace) -> int:
+    from .copying import copy_checkpoint
+
+    so = _options(args)
+    dso = args.dst_storage_options or so
+    src = _resolve(args.src, so)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    bar = _ProgressLine("copy") if show else None
+    try:
+        rep = copy_checkpoint(src, args.dst, overwrite=args.overwrite, storage_options=so, dst_storage_options=dso,
+                              progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    if args.json:
+        json.dump(rep.to_json(), sys.stdout, indent=1)
+        print()
+        return 0
+    print(f"copied {rep.src} to {rep.dst}: {len(rep.files)} data file(s), {_human(rep.bytes)} of tensor data"
+          + (f", {rep.side_files} side file(s)" if rep.side_files else ""))
+    if rep.referenced:
+        print(f"  {_human(rep.referenced_bytes)} of it read from {len(rep.referenced)} file(s) of earlier "
+              f"checkpoints, now in the copy's own files: {', '.join(rep.referenced)}")
+    print("  self-contained: it loads and verifies on its own ('nostall verify' it where it lands)")
+    return 0
+
+
+_COPY_EPILOG = """\
+examples:
+  nostall copy ckpts/run1 handoff/step_1000
+      the newest checkpoint of run root ckpts/run1, self-contained, in handoff/step_1000
+  nostall copy ckpts/run1/step_1000 s3://bucket/models/step_1000 --storage-options '{...}'
+      to object storage (and back the other way, or bucket to bucket)
+
+An incremental checkpoint (CheckpointManager(root, incremental=True)) reads
+unchanged pieces from data files of earlier checkpoints of its root; the copy
+holds every piece in its own files (one plain safetensors file per rank, only
+the byte ranges the checkpoint reads), checksums unchanged and checked as they
+are read, and its manifest names no other checkpoint. A full checkpoint is
+copied as it is. DST must not exist, or be an empty directory, or, with
+--overwrite, be a nostall checkpoint; the copy appears whole or not at all.
+A run root's 'latest' is never moved by a copy.
+"""
+
+
 def _bench(rest: List[str]) -> int:
     from .bench import main as bench_main
 
@@ -383,7 +476,7 @@ DCP's .metadata file is a pickle: import only checkpoints you trust.
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nostall",
-                                description="Inspect, verify, list, convert and benchmark nostall checkpoints.",
+                                description="Inspect, verify, list, copy, convert and benchmark nostall checkpoints.",
                                 epilog="A checkpoint path may be a checkpoint directory or URL, a run root (its "
                                        "newest checkpoint) or a run root's 'latest' file. Run 'nostall COMMAND -h' "
                                        "for a command's options.")
@@ -406,6 +499,23 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pl.set_defaults(fn=cmd_ls)
+    pk = sub.add_parser(
+        "copy", help="make a self-contained copy of one checkpoint (an incremental one's references resolved)",
+        description="Copy one checkpoint to DST (a directory or URL) so that it needs nothing else: every piece\n"
+                    "it reads, from its own files and from earlier checkpoints' (incremental saves), lands in\n"
+                    "DST's own files. For handing a checkpoint to someone else, or moving it between buckets.",
+        epilog=_COPY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pk.add_argument("src", help=ck_help)
+    pk.add_argument("dst", help="the copy: a new (or empty) directory, or an object-storage URL")
+    pk.add_argument("--overwrite", action="store_true", help="replace a nostall checkpoint at DST")
+    pk.add_argument("--json", action="store_true", help="machine-readable summary")
+    pk.add_argument("--progress", dest="progress", action="store_true", default=None,
+                    help="draw a progress bar on stderr (default: when stderr is a terminal)")
+    pk.add_argument("--no-progress", dest="progress", action="store_false")
+    pk.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
+    pk.add_argument("--dst-storage-options", type=storage_options_arg, default=None,
+                    help="fsspec options for DST when they differ from SRC's (default: --storage-options)")
+    pk.set_defaults(fn=cmd_copy)
     pc = sub.add_parser(
         "convert", help="import a DCP checkpoint, or export to safetensors / torch.save",
         description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist)\n"
