@@ -13,9 +13,11 @@ What is copied: exactly the byte ranges of the pieces, not whole files. A
 referenced file often holds pieces the checkpoint does not read (those that
 changed since it was written), so copying whole files would carry stale
 bytes along and make the copy grow with the chain. The pieces of each rank
-are packed into one plain safetensors file per rank, ``rank<N>.<id>.safetensors``
-(as a save names them: header laid out as the planner lays it out, entries
-named as it names them), so DST looks like a full save of the same state.
+are packed into one plain safetensors file per rank, ``rank<N>.safetensors``
+(``rank<N>.<id>.safetensors`` on object storage or when replacing a
+checkpoint, as saves name them there; header laid out as the planner lays it
+out, entries named as it names them), so DST looks like a full save of the
+same state.
 Each piece keeps its checksums (they are per block from the piece's first
 byte, so moving a piece does not change them); the per-piece content digests
 of incremental saves are dropped, so the copy's manifest is format version 1,
@@ -147,8 +149,9 @@ def _plan(m: Manifest) -> Dict[int, Dict[Tuple[str, int, int], _Out]]:
 
 
 def _check_destination(dst: str, root: roots.Root, name: str, overwrite: bool,
-                       storage_options: Optional[Dict[str, Any]]) -> None:
-    """Refuse a DST that is not ours to write (see the module docstring); remove an empty directory."""
+                       storage_options: Optional[Dict[str, Any]]) -> bool:
+    """Refuse a DST that is not ours to write (see the module docstring); remove an empty directory.
+    Whether a checkpoint is there (to be replaced)."""
     if not name or name in (".", "..") or name.startswith("."):
         raise CheckpointSaveError(f"{dst}: not a usable checkpoint name ({name!r}): name a directory such as "
                                   "ckpt_copy/ or s3://bucket/prefix/step_100")
@@ -158,7 +161,7 @@ def _check_destination(dst: str, root: roots.Root, name: str, overwrite: bool,
             if not overwrite:
                 raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite "
                                           "(overwrite=True) to replace it, or choose another destination")
-            return
+            return True
         fs, key = remote.filesystem(dst, storage_options)
         try:
             found = remote.retry(f"list {dst}", lambda: fs.ls(key.rstrip("/"), detail=False, refresh=True))
@@ -167,13 +170,13 @@ def _check_destination(dst: str, root: roots.Root, name: str, overwrite: bool,
         if found:
             raise CheckpointSaveError(f"{dst} holds objects and is not a nostall checkpoint (no nostall "
                                       f"manifest.json there); refusing to write into it: {fix}")
-        return
+        return False
     try:
         mode: Optional[int] = os.lstat(dst).st_mode
     except FileNotFoundError:
         mode = None
     if mode is None:
-        return
+        return False
     if stat.S_ISLNK(mode):
         raise CheckpointSaveError(f"{dst} is a symbolic link: nostall never writes through one; {fix}")
     if not stat.S_ISDIR(mode):
@@ -182,11 +185,12 @@ def _check_destination(dst: str, root: roots.Root, name: str, overwrite: bool,
         if not overwrite:
             raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite (overwrite=True) "
                                       "to replace it, or choose another destination")
-        return
+        return True
     if os.listdir(dst):
         raise CheckpointSaveError(f"{dst} exists and is not a nostall checkpoint (no nostall manifest.json in "
                                   f"it); refusing to replace it: {fix}")
     os.rmdir(dst)  # an empty directory: the copy is renamed into its place
+    return False
 
 
 def _copy_piece(files: Any, o: _Out, out: FileWriter, buf: memoryview, block_size: int, where: str) -> None:
@@ -254,7 +258,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         raise CheckpointSaveError(f"copy: {dst} is the checkpoint being copied; name another destination")
     m = read_manifest(src_path, so)
     droot, dname = roots.split_checkpoint(dst, dso)
-    _check_destination(dst, droot, dname, overwrite, dso)
+    replacing = _check_destination(dst, droot, dname, overwrite, dso)
 
     plan = _plan(m)
     entries: Dict[int, Tuple[bytes, int, List[_Out]]] = {}
@@ -267,7 +271,9 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
             o.start, o.end = a, b
         entries[rank] = (header, size, sorted(order, key=lambda o: o.start))
 
-    dest = Destination(droot, dname, m.step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=True)
+    # a new directory gets plain names (rank0.safetensors, config.json: as nostall.save writes them); replacing a
+    # checkpoint, names carry the copy's id, so that none is a name the replaced one used (object storage: always)
+    dest = Destination(droot, dname, m.step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=replacing)
 
     def stored(rank: int) -> str:
         return droot.data_name(dest, data_file_name(rank))
