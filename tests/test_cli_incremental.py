@@ -91,8 +91,10 @@ def test_copy_is_self_contained_and_loads_bit_exactly(inc_root, tmp_path, capsys
     assert sorted(os.listdir(dst)) == ["config.json", MANIFEST_NAME, "rank0.safetensors"]
     assert c.all_files() == c.files and set(c.files) == {"rank0.safetensors"}
     # exactly the pieces' bytes: no stale piece of step 1's file came along
-    size = os.path.getsize(os.path.join(dst, "rank0.safetensors"))
-    assert size - int.from_bytes(open(os.path.join(dst, "rank0.safetensors"), "rb").read(8), "little") - 8 == rep["bytes"]
+    data = os.path.join(dst, "rank0.safetensors")
+    with open(data, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+    assert os.path.getsize(data) - 8 - header_len == rep["bytes"]
     # checksums unchanged, key by key (pieces moved, their block checksums did not)
     for k, t in m.tensors.items():
         assert [p.crc32c for p in c.tensors[k].pieces] == [p.crc32c for p in t.pieces]
