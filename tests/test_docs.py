@@ -1,7 +1,9 @@
 """Every fenced code block of README.md and docs/*.md runs, or says why not.
 
 How blocks are marked and run: tests/docs_runner.py. Each file runs in its
-own process, in a fresh working directory.
+own process, in a fresh working directory. The files run two at a time (the
+first test of the module starts them all, each test waits for its own file's
+result): one process per file, so the second core is not idle meanwhile.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Dict
 
 import pytest
 
@@ -19,6 +23,7 @@ from tests.docs_runner import REPO, Block, classify, parse, problems, sh_command
 
 FILES = ["README.md"] + sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
 FILE_TIMEOUT_S = 240  # a hang guard for one file, not a speed check
+FILES_AT_ONCE = 2  # doc files whose runners run at the same time
 
 
 def run_doc(path: str, workdir: str, s3_url: str | None = None) -> dict:
@@ -49,16 +54,47 @@ def test_every_block_runs_or_says_why_not(name):
     assert not problems(parse(os.path.join(REPO, name))), "\n".join(problems(parse(os.path.join(REPO, name))))
 
 
+def _needs_s3(blocks) -> bool:
+    return any("_docs.s3(" in (b.setup or "") for b in blocks)
+
+
+@pytest.fixture(scope="module")
+def doc_runs(request, tmp_path_factory):
+    """Every runnable file's runner, started at once (FILES_AT_ONCE at a time), each in its own
+    process and fresh working directory: name -> the Future of its run_doc() result."""
+    selected = {item.callspec.params["name"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_blocks_run" and item.module is request.module}
+    todo = {name: parse(os.path.join(REPO, name)) for name in FILES if name in selected}
+    todo = {name: blocks for name, blocks in todo.items() if docs_runner.runnable(blocks)}
+    s3_url = None
+    if any(_needs_s3(blocks) for blocks in todo.values()):
+        try:
+            s3_url = request.getfixturevalue("s3").url  # the session's server
+        except pytest.skip.Exception:  # no moto/s3fs: those files' tests skip, the others run
+            todo = {name: blocks for name, blocks in todo.items() if not _needs_s3(blocks)}
+    # the files with ranks blocks (process starts) first, so that the slowest do not end up last
+    order = sorted(todo, key=lambda n: -sum(classify(b)[0] == "ranks" for b in todo[n]))
+    pool = ThreadPoolExecutor(max_workers=FILES_AT_ONCE)
+    try:
+        runs: Dict[str, Future] = {}
+        for name in order:
+            workdir = str(tmp_path_factory.mktemp("doc"))
+            runs[name] = pool.submit(run_doc, os.path.join(REPO, name), workdir,
+                                     s3_url if _needs_s3(todo[name]) else None)
+        yield runs
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("name", FILES)
-def test_blocks_run(name, tmp_path, request):
+def test_blocks_run(name, doc_runs):
     path = os.path.join(REPO, name)
     blocks = parse(path)
     if not docs_runner.runnable(blocks):
         pytest.skip(f"{name}: no runnable block (each one is marked, see the test above)")
-    s3_url = None
-    if any("_docs.s3(" in (b.setup or "") for b in blocks):
-        s3_url = request.getfixturevalue("s3").url  # the session's server (skips without moto/s3fs)
-    result = run_doc(path, str(tmp_path), s3_url)
+    if name not in doc_runs:
+        pytest.skip(f"{name}: needs the session's S3-compatible server (moto, s3fs)")
+    result = doc_runs[name].result()  # run_doc's own failure (a hang, no result) is raised here
     failure = result["failure"]
     if failure is not None:
         pytest.fail(f"{name}:{failure['line']}: block failed\n{failure['error']}\n"
