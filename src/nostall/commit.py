@@ -274,8 +274,8 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
         def stored(n: str) -> str:  # own files by their stored names; earlier checkpoints' as they are
             return n if "/" in n else root.data_name(dest, n)
 
-        mine = Done(True, {(stored(n), s, e): replace(p, file=stored(p.file))
-                           for (n, s, e), p in written.placed.items()},
+        # keyed by the planned pieces (as the manifest skeleton has them), placed in the stored files
+        mine = Done(True, {k: replace(p, file=stored(p.file)) for k, p in written.placed.items()},
                     {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()})
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
@@ -312,8 +312,7 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
     res.commit_s = time.perf_counter() - t1
     res.ok = outcome.ok
     if history is not None and outcome.ok and mine.ok:
-        history.committed(job, mine.placed, mine.files,
-                          {(stored(k[0]), k[1], k[2]): v for k, v in written.ids.items()})
+        history.committed(job, mine.placed, mine.files, written.ids)
     if not res.ok:
         if mine.ok:  # a failed write already removed its files
             root.remove_own_files(dest, job.rank, names + side)

@@ -257,6 +257,7 @@ class Saver:
         self._history = History()  # synchronous saves' memory of this rank's last committed save (incremental)
         self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
         self._chain = 0  # saves in the current chain (Options.full_every)
+        self._records: Optional[Tuple[SavePlan, Records]] = None  # rank 0: the cached plan's tensor records
 
     # ------------------------------------------------------------------ collective phases
     def plan(self, state: Any) -> SavePlan:
@@ -385,8 +386,11 @@ class Saver:
         manifest = None
         if self.comm.rank == 0:
             root = dest.root
+            # data files keep their planned names here: the commit names them as stored (Manifest.with_placed)
+            if self._records is None or self._records[0] is not p.plan:
+                self._records = (p.plan, tensor_records(p.plan))
             manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
-                                                 self.options.block_size).renamed(lambda n: root.data_name(dest, n)),
+                                                 self.options.block_size, self._records[1]),
                                side_files={n: replace(r, stored="" if root.data_name(dest, n) == n
                                                       else root.data_name(dest, n))
                                            for n, r in side_files.records(p.side_files).items()})
@@ -547,25 +551,36 @@ def _tensor_parts(fp: FilePlan, flat: FlatState) -> Iterator[Tuple[int, memoryvi
         del buf, t
 
 
-def manifest_skeleton(
-    plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
-    block_size: int,
-) -> Manifest:
-    """The manifest of a plan, without checksums (filled in by ``Manifest.with_crcs``)."""
+Records = Tuple[Dict[str, TensorRecord], List[Dict[str, TensorRecord]]]
+"""A plan's tensor records without checksums: global, and per rank."""
+
+
+def tensor_records(plan: SavePlan) -> Records:
+    """The tensor records of ``plan`` (a manifest's bulk), without checksums."""
 
     def record(tp: TensorPlan) -> TensorRecord:
         pieces = tuple(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, ()) for p in tp.pieces)
         return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces, tp.tied_to)
 
+    return ({k: record(t) for k, t in plan.tensors.items()},
+            [{k: record(t) for k, t in plan.per_rank[r].items()} for r in range(plan.world_size)])
+
+
+def manifest_skeleton(
+    plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
+    block_size: int, records: Optional[Records] = None,
+) -> Manifest:
+    """The manifest of a plan, without checksums (filled in by ``Manifest.with_placed``).
+
+    ``records``: the plan's :func:`tensor_records`, when the caller keeps them (a cached plan's saves).
+    """
+    tensors, per_rank = records if records is not None else tensor_records(plan)
     return Manifest(
         step=step,
         world_size=plan.world_size,
         block_size=block_size,
         files={n: FileRecord(n, f.rank, f.size) for n, f in plan.files.items()},
-        tensors={k: record(t) for k, t in plan.tensors.items()},
+        tensors=tensors,
         objects=objects,
-        per_rank=tuple(
-            RankRecord({k: record(t) for k, t in plan.per_rank[r].items()}, dict(per_rank_objects[r]))
-            for r in range(plan.world_size)
-        ),
+        per_rank=tuple(RankRecord(per_rank[r], dict(per_rank_objects[r])) for r in range(plan.world_size)),
     )
