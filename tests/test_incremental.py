@@ -12,7 +12,7 @@ import glob
 import json
 import os
 import shutil
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -576,3 +576,37 @@ def test_a_piece_is_left_out_only_when_its_bytes_are_equal(tmp_path):
     want["model"]["base.weight"][-1, -1] = float("nan")
     _same(_load(os.path.join(root, "step_3"), _lora(0)), want)
     assert _manifest(root, 3)["tensors"]["model/base.weight"]["pieces"][0]["file"].startswith("step_2/")
+
+
+def test_a_checkpoint_named_from_inside_it_verifies_and_loads(tmp_path, monkeypatch):
+    """``check_checkpoint('.')`` from the checkpoint's own directory: the references are found in the root
+    (they were looked for inside the checkpoint: ``dirname('.')`` is empty)."""
+    root = str(tmp_path / "run")
+    _chain(root, 3)
+    monkeypatch.chdir(os.path.join(root, "step_3"))
+    for path in (".", "./", "../step_3"):
+        report = check_checkpoint(path)
+        assert report.ok, (path, report.problems)
+        _same(_load(path, _lora(0)), _lora(3), path)
+
+
+def test_after_a_save_failed_for_a_missing_reference_the_next_save_is_full(tmp_path):
+    """A file the chain reads is gone (deleted by hand): that save fails at commit (nothing broken is
+    committed), and the manager does not stay stuck on the same base: the next save writes everything."""
+    root = str(tmp_path / "run")
+    mgr = nostall.CheckpointManager(root, incremental=True, keep_last=2)
+    state = _lora(0)
+    for step in (1, 2, 3):
+        _advance(state, step)
+        mgr.save(step, state)
+    shutil.rmtree(os.path.join(root, "step_1"))  # the retired base, read by 2 and 3
+    _advance(state, 4)
+    with pytest.raises(CheckpointError, match="step_1/.*missing at commit time"):
+        mgr.save(4, state)
+    assert mgr.steps() == [2, 3]
+    _advance(state, 5)
+    assert mgr.save(5, state).result().bytes_written >= FROZEN + CHANGED
+    _advance(state, 6)
+    assert mgr.save(6, state).result().bytes_written <= 1.1 * CHANGED
+    mgr.close()
+    _audit(root, {5: _lora(5), 6: _lora(6)}, _lora(0))

@@ -104,9 +104,12 @@ class _Files:
         self.fds: Dict[str, int] = {}
 
     def path(self, name: str) -> str:
-        """Own files are in the checkpoint's directory; ``<checkpoint>/<file>`` in a sibling of it (incremental)."""
+        """Own files are in the checkpoint's directory; ``<checkpoint>/<file>`` in a sibling of it (incremental).
+
+        The sibling is found from the absolute path: a checkpoint given as ``.`` or ``./`` has no parent in
+        its name (``dirname`` of it is empty, which would look inside the checkpoint itself)."""
         if "/" in name:
-            return os.path.join(os.path.dirname(os.path.normpath(self.dir)), name)
+            return os.path.join(os.path.dirname(os.path.abspath(self.dir)), name)
         return os.path.join(self.dir, name)
 
     def _fd(self, name: str) -> int:

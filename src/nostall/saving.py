@@ -407,6 +407,14 @@ class Saver:
             self._chain = self._chain + 1 if job.base else 1
             self._base = (job.save_id, job.dest.name)
 
+    def _failed(self, job: SaveJob) -> None:
+        """``job`` failed (as this rank sees it): the next incremental save writes everything. What it
+        reused may be why it failed (a file of the chain deleted by hand: every later save on the same base
+        would fail the same way), and after a timeout another rank may have seen it commit."""
+        if job.incremental:
+            self._base = ("", "")
+            self._chain = 0
+
 
     # ------------------------------------------------------------------ synchronous
     def save(self, state: Any, template: Destination, t_call: Optional[float] = None,
@@ -431,6 +439,7 @@ class Saver:
 
         result = run_job(job, write_files(source), CollectiveBarrier(comm), self._history)
         if not result.ok:
+            self._failed(job)
             raise _failure(p.step, result)
         self._committed(job)
         t_end = time.perf_counter()
@@ -504,6 +513,7 @@ class Saver:
         """Stats of a finished asynchronous save, or its error."""
         p = pending.prepared
         if not result.ok:
+            self._failed(pending.job)
             raise _failure(p.step, result)
         self._committed(pending.job)
         t_end = time.perf_counter()
