@@ -610,3 +610,25 @@ def test_after_a_save_failed_for_a_missing_reference_the_next_save_is_full(tmp_p
     assert mgr.save(6, state).result().bytes_written <= 1.1 * CHANGED
     mgr.close()
     _audit(root, {5: _lora(5), 6: _lora(6)}, _lora(0))
+
+
+def test_retention_deletes_nothing_a_manifest_it_cannot_read_may_reference(tmp_path, caplog):
+    """A retained manifest naming references that this nostall cannot parse (here: a newer format
+    version): which files it reads is unknown, so retention deletes nothing (it deleted step 1's base)."""
+    root = str(tmp_path / "run")
+    _chain(root, 3, keep_last=2)  # step 1 retired, read by 2 and 3
+    path = os.path.join(root, "step_3", "manifest.json")
+    doc = _manifest(root, 3)
+    doc["version"] = 99
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    plain = nostall.CheckpointManager(root, keep_last=2)
+    with caplog.at_level("WARNING", logger="nostall"):
+        plain.save(4, _lora(4))
+    plain.close()
+    assert "retention after step 4 failed" in caplog.text and "version 99" in caplog.text, caplog.text
+    for ref, rec in doc["references"].items():
+        assert os.path.getsize(os.path.join(root, ref)) == rec["size"]
+    for s in (2, 4):
+        assert check_checkpoint(os.path.join(root, f"step_{s}")).ok
+        _same(_load(os.path.join(root, f"step_{s}"), _lora(0)), _lora(s))

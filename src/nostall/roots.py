@@ -191,7 +191,12 @@ class Root(abc.ABC):
 
     def referenced(self, skip: Iterable[int] = ()) -> Set[str]:
         """Every data file of an earlier checkpoint (``<checkpoint>/<file>``) that a committed checkpoint
-        reads, leaving out the checkpoints of steps ``skip``. Manifests without references are not parsed."""
+        reads, leaving out the checkpoints of steps ``skip``. Manifests without references are not parsed.
+
+        Raises :class:`~nostall.CheckpointError` when a manifest that names references cannot be parsed
+        (damaged, or of a newer format version): what it reads is unknown, so the caller must delete
+        nothing (retention is skipped; a re-save of a step fails before its commit point).
+        """
         out: Set[str] = set()
         skipped = set(skip)
         for s in self.steps():
@@ -200,9 +205,12 @@ class Root(abc.ABC):
             raw = self.manifest_bytes(step_name(s))
             if raw is None or b'"references"' not in raw:
                 continue
-            m = self.manifest(step_name(s))
-            if m is not None:
-                out.update(m.references)
+            try:
+                m = Manifest.from_json_bytes(raw, self.path(step_name(s)))
+            except CheckpointCorruptError as e:
+                raise CheckpointError(f"{e}: this checkpoint may read files of earlier checkpoints, and which "
+                                      "is unknown, so none is deleted; fix or remove it") from None
+            out.update(m.references)
         return out
 
     # ------------------------------------------------------------------ reading
