@@ -275,15 +275,14 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     # checkpoint, names carry the copy's id, so that none is a name the replaced one used (object storage: always)
     dest = Destination(droot, dname, m.step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=replacing)
 
-    def stored(rank: int) -> str:
-        return droot.data_name(dest, data_file_name(rank))
-
     def moved(t: TensorRecord, rank_of: Dict[str, int]) -> TensorRecord:
+        # the skeleton names each piece where it is planned (rank<N>.safetensors); the commit puts the stored
+        # names in from what was written (Manifest.with_placed), as for a save
         pieces = []
         for p in t.pieces:
             r = rank_of[p.file]
             o = plan[r][(p.file, p.start, p.end)]
-            pieces.append(PieceRecord(p.offset, p.shape, stored(r), o.start, o.end, p.crc32c))
+            pieces.append(PieceRecord(p.offset, p.shape, data_file_name(r), o.start, o.end, p.crc32c))
         return replace(t, pieces=tuple(pieces))
 
     rank_of = {n: f.rank for n, f in m.all_files().items()}
@@ -294,7 +293,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         side_recs[n] = SideFileRecord(n, len(data), m.side_files[n].crc32c, "" if s == n else s)
     manifest = Manifest(
         step=m.step, world_size=m.world_size, block_size=m.block_size,
-        files={stored(r): FileRecord(stored(r), r, size) for r, (_, size, _) in entries.items()},
+        files={data_file_name(r): FileRecord(data_file_name(r), r, size) for r, (_, size, _) in entries.items()},
         tensors={k: moved(t, rank_of) for k, t in m.tensors.items()},
         objects=m.objects,
         per_rank=tuple(RankRecord({k: moved(t, rank_of) for k, t in r.tensors.items()}, r.objects)
@@ -350,6 +349,6 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     used = {k for outs in plan.values() for k in outs}
     own = sum(e - s for f, s, e in used if "/" not in f)
     return CopyReport(
-        src=src_path, dst=dst, files=sorted(manifest.files), bytes=total, own_bytes=own,
+        src=src_path, dst=dst, files=sorted(read_manifest(dst, dso).files), bytes=total, own_bytes=own,
         referenced_bytes=total - own, referenced=sorted(n for n in all_src if "/" in n), side_files=len(side),
     )
