@@ -330,6 +330,11 @@ def resume_each_job(rank: int, world: int, kind: str, roots: List[str]) -> List[
     return [resume_job(rank, world, kind, root) for root in roots]
 
 
+def resume_kinds_job(rank: int, world: int, plans: List[tuple]) -> List[List[Dict[str, Any]]]:
+    """:func:`resume_each_job` for each ``(kind, roots)`` of ``plans`` in turn, in one fresh process."""
+    return [resume_each_job(rank, world, kind, roots) for kind, roots in plans]
+
+
 # --------------------------------------------------------------------------- comparison
 def diff(a: Any, b: Any, where: str = "") -> List[str]:
     """Every place where ``a`` and ``b`` differ (tensors: bit-exact, dtype and shape included)."""

@@ -51,22 +51,58 @@ def _full_shapes(kind: str) -> dict:
 # --------------------------------------------------------------------------- 1. resume == uninterrupted
 
 
+@pytest.fixture(scope="module")
+def resumed(request, rank_pools, tmp_path_factory):
+    """kind -> (roots, reference, resumes), or the exception its runs raised.
+
+    Each kind's reference run (its pool) saves every step into two roots, a synchronous manager's and
+    then an asynchronous one's. Then one set of fresh interpreters per world size (a fresh process
+    group; other weights, other RNG seeds, fresh optimizer and scheduler) resumes every kind of that
+    size from each of its roots in turn, each time into a fresh model; none of them ran a reference.
+    Should that set fail, each kind is resumed again in fresh processes of its own, so that each test
+    reports its own kind's failure.
+    """
+    kinds = [k for k in H.KINDS if any(getattr(item, "originalname", None) == "test_resume_equals_uninterrupted"
+                                       and item.callspec.params["kind"] == k for item in request.session.items)]
+    out: dict = {}
+    roots: dict = {}
+    refs: dict = {}
+    for kind in kinds:
+        d = tmp_path_factory.mktemp(f"resume-{kind}")
+        roots[kind] = {False: str(d / "ckpts-sync"), True: str(d / "ckpts-async")}
+        try:
+            refs[kind] = rank_pools.get(H.WORLD[kind]).run(
+                H.reference_job, kind, [(roots[kind][False], False), (roots[kind][True], True)], timeout=JOB_TIMEOUT)
+        except AssertionError as e:
+            out[kind] = e
+    for world in sorted({H.WORLD[k] for k in refs}):
+        group = [k for k in refs if H.WORLD[k] == world]
+        plans = [(k, [roots[k][False], roots[k][True]]) for k in group]
+        try:
+            res = run_ranks(world, H.resume_kinds_job, plans, timeout=JOB_TIMEOUT)
+            for i, k in enumerate(group):
+                out[k] = (roots[k], refs[k], [res[rank][i] for rank in range(world)])
+        except AssertionError:
+            for k, k_roots in plans:
+                try:
+                    res = run_ranks(world, H.resume_each_job, k, k_roots, timeout=JOB_TIMEOUT)
+                    out[k] = (roots[k], refs[k], res)
+                except AssertionError as e:
+                    out[k] = e
+    return out
+
+
 @pytest.mark.parametrize("kind", H.KINDS)
-def test_resume_equals_uninterrupted(tmp_path, rank_pools, kind):
+def test_resume_equals_uninterrupted(resumed, kind):
     """Train 1..6 saving after 2 and 4; resume from 4 in fresh processes: steps 5-6 repeat bit for bit.
 
-    Synchronous and asynchronous saves at once: the one reference run saves every step into two roots
-    (a synchronous manager's, then an asynchronous one's), and one set of fresh processes resumes from
-    each root in turn, each time into a fresh model. Each root is checked on its own.
+    Synchronous and asynchronous saves at once (see the ``resumed`` fixture); each root is checked on its own.
     """
-    world = H.WORLD[kind]
-    roots = {False: str(tmp_path / "ckpts-sync"), True: str(tmp_path / "ckpts-async")}
-    ref = rank_pools.get(world).run(H.reference_job, kind, [(roots[False], False), (roots[True], True)],
-                                    timeout=JOB_TIMEOUT)
-    # fresh interpreters and a fresh process group; other weights, other RNG seeds, fresh optimizer/scheduler
-    both = run_ranks(world, H.resume_each_job, kind, [roots[False], roots[True]], timeout=JOB_TIMEOUT)
+    if isinstance(resumed[kind], BaseException):
+        raise resumed[kind]
+    roots, ref, both = resumed[kind]
     for i, async_save in enumerate((False, True)):
-        _check_resume(kind, async_save, roots[async_save], ref, [both[rank][i] for rank in range(world)])
+        _check_resume(kind, async_save, roots[async_save], ref, [both[rank][i] for rank in range(H.WORLD[kind])])
 
 
 def _check_resume(kind: str, async_save: bool, root: str, ref: list, res: list) -> None:
