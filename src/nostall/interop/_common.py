@@ -22,7 +22,8 @@ import torch
 
 from .._boxes import cover_problem
 from .._tensorbuf import byte_view
-from ..commit import SoloBarrier, run_job, write_files
+from ..commit import SoloBarrier, run_job
+from ..datafiles import write_files
 from ..jobs import Destination, FileJob, SaveJob
 from ..options import check_block_size
 from ..roots import split_checkpoint
