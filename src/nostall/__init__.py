@@ -32,6 +32,7 @@ from .errors import (
 
 if TYPE_CHECKING:  # pragma: no cover
     from .api import load, save
+    from .copying import copy_checkpoint
     from .handles import SaveHandle, SaveStats
     from .manager import CheckpointManager
     from .model import PerRank, ShardedTensor
@@ -48,6 +49,7 @@ _LAZY = {
     "SaveStats": "handles",
     "save": "api",
     "load": "api",
+    "copy_checkpoint": "copying",
     "Options": "options",
     "ParallelLayout": "training",
     "LoadedCheckpoint": "training",
@@ -61,6 +63,7 @@ __all__ = [
     "SaveStats",
     "save",
     "load",
+    "copy_checkpoint",
     "Options",
     "ParallelLayout",
     "LoadedCheckpoint",
