@@ -41,6 +41,7 @@ def test_bench_train_smoke(tmp_path, capsys):
         s = out["summary"][compute]
         assert set(s) == {"baseline", *bench_train.SYSTEMS}
         assert _finite(s["baseline"]["wall_s"]["median"]) and _finite(s["baseline"]["after_save_p99_s"])
+        assert 0 <= s["baseline"]["machine_busy"]["median"] <= 1
         for name in bench_train.SYSTEMS:
             r = s[name]
             for field in ("overhead_per_save_s", "loss_pct", "loss_every20_pct", "wait_previous_s", "call_s",

@@ -372,6 +372,7 @@ class _Rank:
         step_s: List[float] = []
         per_save: List[Dict[str, float]] = []
         dist.barrier()
+        ticks = _cpu_ticks()
         cpu0, t_start = time.process_time(), time.perf_counter()
         for s in range(1, self.steps + 1):
             t0 = time.perf_counter()
@@ -393,7 +394,7 @@ class _Rank:
             step_s.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t_start
         cpu = time.process_time() - cpu0
-        out: Dict[str, Any] = {"wall_s": wall, "step_s": step_s, "cpu_s": cpu}
+        out: Dict[str, Any] = {"wall_s": wall, "step_s": step_s, "cpu_s": cpu, "machine_busy": _busy_since(ticks)}
         if system is not None:
             t0 = time.perf_counter()
             system.drain()
@@ -524,6 +525,23 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
 # --------------------------------------------------------------------------- figures
 
 
+def _cpu_ticks() -> Tuple[int, int]:
+    """(busy, total) jiffies of the whole machine since boot (Linux /proc/stat; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def _busy_since(start: Tuple[int, int]) -> float:
+    """Fraction of the machine's CPU time spent busy (every process, not only the bench's) since ``start``."""
+    busy, total = _cpu_ticks()
+    return (busy - start[0]) / (total - start[1]) if total > start[1] else float("nan")
+
+
 def _pct(xs: Sequence[float], q: float) -> float:
     """The q-th percentile (nearest rank) of ``xs``; nan when empty."""
     if not xs:
@@ -554,7 +572,8 @@ def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], walls: Dict[str,
         res: Dict[str, Any] = {"baseline": {"wall_s": _spread(base_w), "step_s": _spread(
             [statistics.median(r["step_s"]) for r in base_runs]),
             "after_save_p50_s": _pct(base_after, 50), "after_save_p99_s": _pct(base_after, 99),
-            "cpu_busy": _spread([r["cpu_s"] / r["wall_s"] for r in base_runs])}}
+            "cpu_busy": _spread([r["cpu_s"] / r["wall_s"] for r in base_runs]),
+            "machine_busy": _spread([r.get("machine_busy", float("nan")) for r in base_runs])}}
         for name, rs in by.items():
             if name == "baseline":
                 continue
@@ -611,11 +630,13 @@ def saturation(out: Dict[str, Any]) -> Optional[str]:
         return None
     busy = out["host_busy_cores"]
     cpus = out["machine"]["cpus"]
-    if busy < 0.75 * cpus:
+    machine = host["baseline"]["machine_busy"]["median"]
+    if busy < 0.75 * cpus and not machine >= 0.85:
         return None
-    return (f"host compute keeps {busy:.1f} of {cpus} cores busy: the CPU is saturated, so a save's copy and "
-            "its writer compete with the compute; overlapped staging cannot pay off here (its copy runs beside "
-            "the forward/backward, on a core that is not free)")
+    return (f"host compute: the ranks keep {busy:.1f} of {cpus} cores busy and the machine's CPUs are "
+            f"{100 * machine:.0f}% busy (every process): the CPU is saturated, so a save's copy and its writer "
+            "compete with the compute; overlapped staging cannot pay off here (its copy runs beside the "
+            "forward/backward, on a core that is not free)")
 
 
 # --------------------------------------------------------------------------- the launcher
@@ -722,7 +743,8 @@ def format_table(out: Dict[str, Any]) -> str:
                 else f"{c['host_passes']} MLP forward/backward passes on the CPU")
         lines += ["", f"== {compute} compute ({what}); baseline {b['wall_s']['median']:.2f} s, step "
                       f"{_ms(b['step_s']['median'])} ms, after-save steps p50/p99 {_ms(b['after_save_p50_s'])}/"
-                      f"{_ms(b['after_save_p99_s'])} ms",
+                      f"{_ms(b['after_save_p99_s'])} ms; machine CPU "
+                      f"{100 * b.get('machine_busy', {}).get('median', float('nan')):.0f}% busy (all processes)",
                   f"{'system':<19}{'per-save overhead ms':>26}{'loss %':>8}{'loss/20':>8}{'prev':>7}{'call':>7}"
                   f"{'pre-opt':>8}{'save step':>12}{'after save':>14}{'verified':>9}"]
         for name, r in s.items():
