@@ -729,6 +729,11 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
 
 
+def _busy_text(baseline: Dict[str, Any]) -> str:
+    busy = baseline.get("machine_busy", {}).get("median", float("nan"))
+    return f"{100 * busy:.0f}% busy (all processes)" if math.isfinite(busy) else "busy: not recorded"
+
+
 def format_table(out: Dict[str, Any]) -> str:
     """The figures as text: one block per compute model, then the ratios."""
     c = out["config"]
@@ -743,10 +748,9 @@ def format_table(out: Dict[str, Any]) -> str:
                 else f"{c['host_passes']} MLP forward/backward passes on the CPU")
         lines += ["", f"== {compute} compute ({what}); baseline {b['wall_s']['median']:.2f} s, step "
                       f"{_ms(b['step_s']['median'])} ms, after-save steps p50/p99 {_ms(b['after_save_p50_s'])}/"
-                      f"{_ms(b['after_save_p99_s'])} ms; machine CPU "
-                      f"{100 * b.get('machine_busy', {}).get('median', float('nan')):.0f}% busy (all processes)",
+                      f"{_ms(b['after_save_p99_s'])} ms; machine CPU {_busy_text(b)}",
                   f"{'system':<19}{'per-save overhead ms':>26}{'loss %':>8}{'loss/20':>8}{'prev':>7}{'call':>7}"
-                  f"{'pre-opt':>8}{'save step':>12}{'after save':>14}{'verified':>9}"]
+                  f"{'pre-opt':>8}{'save step':>16}{'after save':>16}{'verified':>9}"]
         for name, r in s.items():
             if name == "baseline":
                 continue
@@ -756,8 +760,8 @@ def format_table(out: Dict[str, Any]) -> str:
                 + f"{r['loss_pct']['median']:>8.1f}{r['loss_every20_pct']['median']:>8.2f}"
                 + f"{_ms(r['wait_previous_s']['median']):>7}{_ms(r['call_s']['median']):>7}"
                 + f"{_ms(r['before_step_s']['median'] + r.get('staged_wait_s', {}).get('median', 0.0)):>8}"
-                + f"{_ms(r['save_step_p50_s'])}/{_ms(r['save_step_p99_s'])}".rjust(12)
-                + f"{_ms(r['after_save_p50_s'])}/{_ms(r['after_save_p99_s'])}".rjust(14)
+                + f"{_ms(r['save_step_p50_s'])}/{_ms(r['save_step_p99_s'])}".rjust(16)
+                + f"{_ms(r['after_save_p50_s'])}/{_ms(r['after_save_p99_s'])}".rjust(16)
                 + f"{r['verified']:>9}")
         if compute == "host" and out.get("saturated"):
             lines.append(f"  NOTE: {out['saturated']}")
