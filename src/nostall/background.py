@@ -68,6 +68,7 @@ class BackgroundWriter:
         self._conn: Optional[Connection] = None
         self.job: Optional[SaveJob] = None  # the job in flight
         self._stash: list = []  # messages read ahead by ready()
+        self._behind = False  # a job was reported since the last flush (its retention may still run)
         self._start()
 
     # ------------------------------------------------------------------ process
@@ -187,7 +188,7 @@ class BackgroundWriter:
     def wait_chunk_done(self, index: int, deadline: float) -> bool:
         """Wait until the writer released chunk ``index`` (True), or finished the job early: it failed (False)."""
         while True:
-            msg = self._recv(deadline, f"writing chunk {index}", skip=(Op.ATTACHED,))
+            msg = self._recv(deadline, f"writing chunk {index}", skip=(Op.ATTACHED, Op.PONG))
             if msg.op is Op.CHUNK_DONE and msg.index >= index:
                 return True
             if msg.op is Op.RESULT:
@@ -224,15 +225,34 @@ class BackgroundWriter:
         limit = self.timeout * 1.5 if timeout is None else timeout
         try:
             reply = self._recv(time.monotonic() + limit, f"writing step {job.step}",
-                               skip=(Op.ATTACHED, Op.CHUNK_DONE))
+                               skip=(Op.ATTACHED, Op.CHUNK_DONE, Op.PONG))  # (a late answer to flush)
         except WriterDied as e:
             self.job = None
             log.error("%s", e)
             return commit.recover(job, str(e), self.timeout)
         self.job = None
+        self._behind = True  # rank 0's writer runs retention after reporting (see flush)
         if reply.op is not Op.RESULT or reply.result is None:
             return JobResult(job.save_id, False, f"rank {self.rank}: unexpected reply from the writer: {reply!r}")
         return reply.result
+
+    def flush(self, timeout: float) -> None:
+        """Wait (bounded) until the writer finished what it does after reporting its last job: on rank 0,
+        retention and the sweep. The next job waits for them anyway; this is for a caller that looks (a load,
+        ``finalize_pending_saves``). A writer that died meanwhile only left them undone (the next commit
+        runs retention again)."""
+        if not self._behind or self.job is not None or self._conn is None or not self.alive():
+            return
+        self._conn.send(Msg(Op.PING))
+        try:
+            while self._recv(time.monotonic() + timeout, "deleting old checkpoints (retention)",
+                             skip=(Op.ATTACHED, Op.CHUNK_DONE)).op is not Op.PONG:
+                pass
+        except WriterDied as e:
+            log.warning("%s", e)
+        except CheckpointTimeoutError:  # the checkpoint is committed: retention is only late (its PONG is skipped)
+            log.warning("rank %d: retention after the last save is still running after %.0fs", self.rank, timeout)
+        self._behind = False
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 10.0) -> None:
@@ -241,7 +261,8 @@ class BackgroundWriter:
             if self.alive() and self._conn is not None:
                 try:
                     self._conn.send(Msg(Op.STOP))
-                    self._recv(time.monotonic() + timeout, "stopping", skip=(Op.ATTACHED, Op.RESULT, Op.CHUNK_DONE))
+                    self._recv(time.monotonic() + timeout, "stopping",
+                               skip=(Op.ATTACHED, Op.RESULT, Op.CHUNK_DONE, Op.PONG))
                 except (CheckpointError, OSError, EOFError):
                     pass
             if self.alive():

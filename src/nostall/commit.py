@@ -133,7 +133,7 @@ class RecordBarrier(Barrier):
             if time.monotonic() > deadline:
                 break
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.1, root.poll_max_s)
         return got
 
     def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
@@ -142,7 +142,7 @@ class RecordBarrier(Barrier):
     def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:
         root = job.dest.root
         found = poll_until(deadline + COMMIT_SLACK_S, f"rank 0 to commit step {job.step}",
-                           lambda: root.read_outcome(job.dest), max_delay=0.5)
+                           lambda: root.read_outcome(job.dest), max_delay=root.poll_max_s)
         assert isinstance(found, Outcome)
         return found
 
@@ -244,13 +244,18 @@ def _after_commit(job: SaveJob) -> None:
     root.sweep(dest)
 
 
-def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[History] = None) -> JobResult:
+def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[History] = None,
+            later: Optional[List[Callable[[], None]]] = None) -> JobResult:
     """One rank's part of one save: write, report, and (rank 0) commit; never raises.
 
     ``write`` writes the job's files into the staging directory it is given
     and says what it wrote. ``history``: this rank's memory of its last
     committed save, in the process running its saves (incremental saves
-    reuse its pieces; it is updated once this save commits).
+    reuse its pieces; it is updated once this save commits). ``later``: rank
+    0's retention and sweep after a commit are appended there instead of run
+    (where the root allows it, :attr:`~nostall.roots.Root.retention_beside_next_save`),
+    for a caller that reports the result first (the background writer: the
+    trainers learn of the commit without waiting for deletions).
     """
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
@@ -261,6 +266,11 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
     try:
         if job.faults.writer_delay_s:
             time.sleep(job.faults.writer_delay_s)
+        if job.drop_records is not None:  # the previous save's: every rank was done with them before this plan
+            try:
+                job.drop_records.root.drop_records(job.drop_records.save_id)
+            except Exception as e:  # leftovers are only space (the next claim's sweep removes them)
+                log.warning("could not remove the records of save %s: %s", job.drop_records.save_id, describe(e))
         barrier.begin(job)
         staging = root.open_staging(dest, job.rank)
         job.faults.check_write(staging)
@@ -298,8 +308,11 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
             barrier.announce(job, outcome, deadline + COMMIT_SLACK_S / 4)
         except Exception as e:  # what rank 0 reports stays what is on disk; the others time out
             log.error("rank 0: announcing the outcome of step %s failed: %s", job.step, describe(e))
-        if outcome.ok:
-            _after_commit(job)  # after the other ranks can know the outcome
+        if outcome.ok:  # after the other ranks can know the outcome
+            if later is not None and root.retention_beside_next_save:
+                later.append(lambda: _after_commit(job))
+            else:
+                _after_commit(job)
     elif dones is None:
         outcome = Outcome(False, gather_error)
     else:

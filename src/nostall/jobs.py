@@ -127,6 +127,7 @@ class SaveJob:
     chunked: bool = False  # the files' bytes come chunk by chunk after the job
     side_files: Tuple[Tuple[str, bytes], ...] = ()  # rank 0: small files committed with the checkpoint
     max_write_rate: Optional[float] = None  # bytes/s cap on this rank's writes (Options.max_write_rate)
+    drop_records: Optional[Destination] = None  # rank 0: the previous async save, whose records it drops first
 
     @property
     def step(self) -> Optional[int]:

@@ -202,7 +202,6 @@ class CheckpointManager:
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._claim: Optional[Claim] = None
-        self._last_records: Optional[Destination] = None  # the last async save, whose records rank 0 drops
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
         self._sigterm_installed = False
@@ -400,7 +399,7 @@ class CheckpointManager:
         t_call = time.perf_counter()
         with self._lock:
             self._check_open(writing=True)
-            self.finalize_pending_saves()
+            self._finalize(None, flush=False)  # the writer's retention after the last commit runs before this job
             use_overlap = use_async and (self.options.overlap if overlap is None else bool(overlap))
             if training is not None:
                 state = training.state(self.world_size)
@@ -421,10 +420,6 @@ class CheckpointManager:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
             pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
                                              stage_now=_key_filter(stage_now), side=files)
-            if self.rank == 0 and self._last_records is not None:
-                # every rank finished waiting for the previous save before this one's plan
-                self._last_records.root.drop_records(self._last_records.save_id)
-            self._last_records = pending.job.dest
             handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
                                 reported=self._reported, staged=self._saver.staged_stats(pending))
             self._pending = (pending, handle)
@@ -560,13 +555,20 @@ class CheckpointManager:
         Called automatically by ``save()``, ``load()``, ``close()`` and at exit.
         A failed save is raised once (or logged, with ``errors="log"``).
         Once it returns, the commit callbacks of the saves it waited for
-        (``on_commit``, ``add_done_callback``) have run.
+        (``on_commit``, ``add_done_callback``) have run, and so has retention
+        (``keep_last``: a background writer deletes old checkpoints after it
+        reports the commit, so that the trainers learn of it first).
         """
+        self._finalize(timeout, flush=True)
+
+    def _finalize(self, timeout: Optional[float], flush: bool) -> None:
         handle = None
         try:
             with self._lock:
                 handle = self._pending[1] if self._pending is not None else None
                 self._settle(timeout)
+                if flush and self._writer is not None:
+                    self._writer.flush(self.options.timeout if timeout is None else timeout)
                 if self._unraised is not None:
                     e, self._unraised = self._unraised, None
                     if self.options.errors == "raise":

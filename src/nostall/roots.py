@@ -175,6 +175,13 @@ class Root(abc.ABC):
     def path(self, name: str) -> str:
         """Location (directory or URL) of the checkpoint named ``name``."""
 
+    poll_max_s = 0.5
+    """Longest pause between two looks at a record another rank writes (backing off from 5 ms)."""
+    retention_beside_next_save = False
+    """Whether retention and the sweep after a commit may run while the next save is already being
+    written: true only where a save in flight writes nowhere they delete (a POSIX root stages in
+    ``.tmp/save-<id>/`` and sweeps nothing). Then a background writer reports the commit first."""
+
     def data_name(self, dest: Destination, name: str) -> str:
         """What the planned data file (or side file) ``name`` is called in the checkpoint: tagged with the
         save's id when ``dest.tagged`` (a re-save of a step never reuses a name that an earlier manifest
@@ -400,6 +407,8 @@ class PosixRoot(Root):
     """
 
     _UNSUPPORTED_LOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP}
+    poll_max_s = 0.05  # a stat on a local or shared filesystem is cheap: other ranks learn the outcome sooner
+    retention_beside_next_save = True
 
     def __init__(self, path: str, *, detached: bool = False, faults: Optional[Faults] = None) -> None:
         self.url = os.path.abspath(os.fspath(path))

@@ -258,6 +258,7 @@ class Saver:
         self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
         self._chain = 0  # saves in the current chain (Options.full_every)
         self._records: Optional[Tuple[SavePlan, Records]] = None  # rank 0: the cached plan's tensor records
+        self._last_records: Optional[Destination] = None  # the last async save (the next job drops its records)
 
     # ------------------------------------------------------------------ collective phases
     def plan(self, state: Any) -> SavePlan:
@@ -470,7 +471,9 @@ class Saver:
         crash_point("planned", p.step)
         writer.ensure_alive()
         files = p.plan.files_of(self.comm.rank)
-        job = replace(self._job(p, ()), max_write_rate=self.options.max_write_rate)
+        job = replace(self._job(p, ()), max_write_rate=self.options.max_write_rate,
+                      drop_records=self._last_records if self.comm.rank == 0 else None)
+        self._last_records = job.dest
         pending = PendingSave(p, job, t_start=t_start)
         budget = self.options.staging_budget_bytes
         staging = Staging(pending, writer, files, budget, self.faults)

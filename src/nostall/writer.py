@@ -231,7 +231,12 @@ def main(fd: int, trainer_pid: int = 0) -> int:
                     else:
                         write = (write_chunked(view, _chunk_feed(conn, time.monotonic() + job.timeout))
                                  if job.chunked else from_area(view))
-                        result = run_job(job, write, RecordBarrier(), history)
+                        later: List[Callable[[], None]] = []
+                        result = run_job(job, write, RecordBarrier(), history, later)
+                        conn.send(Msg(Op.RESULT, result=result))  # the trainer learns first,
+                        for step in later:  # then retention and the sweep (the next job waits for them)
+                            step()
+                        continue
                     conn.send(Msg(Op.RESULT, result=result))
                 elif msg.op is Op.PING:
                     conn.send(Msg(Op.PONG, size=os.getpid()))
