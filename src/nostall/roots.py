@@ -669,9 +669,9 @@ class PosixRoot(Root):
     def check_files(self, dest: Destination, files: Mapping[str, int],
                     references: Mapping[str, int] = _NONE) -> None:
         staging = self._tmp("save", dest.save_id, dest.name)
-        for name, size in [*((os.path.join(staging, n), z) for n, z in files.items()),
+        # own files in the staging; an earlier checkpoint's (``<checkpoint>/<file>``) where it is in the root
+        for path, size in [*((os.path.join(staging, n), z) for n, z in files.items()),
                            *((os.path.join(self.url, n), z) for n, z in references.items())]:
-            path = name
             try:
                 got = os.lstat(path).st_size
             except FileNotFoundError:
