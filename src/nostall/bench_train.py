@@ -50,8 +50,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .bench import _TrainLoop, _free_port, _locals, _quiet_dcp_process, _zero_template
 
-SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "dcp_sync", "dcp_async_process", "dcp_async_staging",
-           "torch_save")
+SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "nostall_async_capped", "dcp_sync", "dcp_async_process",
+           "dcp_async_staging", "torch_save")
+CAPPED_MB_S = 200.0  # nostall_async_capped: Options.max_write_rate, MB/s per rank (--capped-mb-s)
 COMPUTE = ("device", "host")
 DCP_ASYNC = ("dcp_async_process", "dcp_async_staging")
 EVERY_20 = 20  # the issue's "a save every 20 steps" figure, computed from the measured per-save overhead
@@ -171,9 +172,9 @@ class _System:
 
 
 class _Nostall(_System):
-    def __init__(self, ctx: "_Rank", async_save: bool, overlap: bool) -> None:
+    def __init__(self, ctx: "_Rank", async_save: bool, overlap: bool, max_write_rate: Optional[float] = None) -> None:
         super().__init__(ctx)
-        self.async_save, self.overlap = async_save, overlap
+        self.async_save, self.overlap, self.max_write_rate = async_save, overlap, max_write_rate
         self.mgr: Any = None
         self.handles: List[Any] = []
 
@@ -183,7 +184,7 @@ class _Nostall(_System):
         super().setup(run_dir)
         self.handles = []
         self.mgr = nostall.CheckpointManager(run_dir, keep_last=None, async_save=self.async_save,
-                                             overlap=self.overlap)
+                                             overlap=self.overlap, max_write_rate=self.max_write_rate)
         if self.overlap:
             self.mgr.attach(self.ctx.st.optimizer)  # its step() waits until the copy is done
         self.mgr.prepare(self.ctx.st.state)  # plan and staging area ahead, as a trainer's set-up would
@@ -441,7 +442,9 @@ class _Rank:
         for name in systems:
             sysobj: _System
             if name.startswith("nostall_"):
-                sysobj = _Nostall(self, async_save=name != "nostall_sync", overlap=name == "nostall_overlap")
+                sysobj = _Nostall(self, async_save=name != "nostall_sync", overlap=name == "nostall_overlap",
+                                  max_write_rate=cfg.get("capped_mb_s", CAPPED_MB_S) * 1e6
+                                  if name == "nostall_async_capped" else None)
             elif name == "dcp_sync":
                 sysobj = _DcpSync(self)
             elif name in DCP_ASYNC:
@@ -617,6 +620,8 @@ def ratios(summary: Dict[str, Dict[str, Any]], copy_floor: float) -> Dict[str, D
                 r["nostall_async / dcp_best_async"] = o("nostall_async") / min(dcps)
             if "nostall_overlap" in s:
                 r["nostall_overlap / nostall_async"] = o("nostall_overlap") / o("nostall_async")
+            if "nostall_async_capped" in s:
+                r["nostall_async_capped / nostall_async"] = o("nostall_async_capped") / o("nostall_async")
         if "nostall_sync" in s and "dcp_sync" in s:
             r["nostall_sync / dcp_sync"] = o("nostall_sync") / o("dcp_sync")
         out[compute] = r
@@ -644,7 +649,8 @@ def saturation(out: Dict[str, Any]) -> Optional[str]:
 
 def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, reps: int = 3,
               systems: Sequence[str] = SYSTEMS, compute: Sequence[str] = COMPUTE, compute_ms: float = 150.0,
-              root: Optional[str] = None, progress: bool = False, timeout: float = 7200.0) -> Dict[str, Any]:
+              root: Optional[str] = None, progress: bool = False, timeout: float = 7200.0,
+              capped_mb_s: float = CAPPED_MB_S) -> Dict[str, Any]:
     """Run the end-to-end benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
     import torch
     import torch.multiprocessing as mp
@@ -655,7 +661,7 @@ def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, re
     root = root or tempfile.mkdtemp(prefix="nostall-bench-train-")
     os.makedirs(root, exist_ok=True)
     cfg = {"mb": mb, "steps": steps, "every": every, "reps": reps, "systems": list(systems),
-           "compute": list(compute), "compute_ms": compute_ms, "progress": progress}
+           "compute": list(compute), "compute_ms": compute_ms, "progress": progress, "capped_mb_s": capped_mb_s}
     if progress:
         print(f"[bench train] {ranks} ranks x {mb} MiB, {steps} steps of {compute_ms:g} ms compute "
               f"({', '.join(compute)}), a save every {every}; {reps} repetition(s) of baseline, "
@@ -835,6 +841,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--dir", default=None,
                     help="where the runs write (each run's checkpoints are deleted once verified; default: a "
                          "temporary directory)")
+    ap.add_argument("--capped-mb-s", type=float, default=CAPPED_MB_S, metavar="MB_S",
+                    help="nostall_async_capped: its writers' max_write_rate, MB/s per rank (default: %(default)s)")
     ap.add_argument("--json", default=None, help="write every figure to this file")
     ap.add_argument("--plot", default=None, help="draw the per-save overheads (PNG)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -845,7 +853,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
     compute = list(COMPUTE) if args.compute == "both" else [args.compute]
     out = run_bench(args.ranks, args.mb_per_rank, args.steps, args.every, args.reps, systems, compute,
-                    args.compute_ms, args.dir, progress=not args.quiet)
+                    args.compute_ms, args.dir, progress=not args.quiet, capped_mb_s=args.capped_mb_s)
     print(format_table(out))
     if args.json:
         with open(args.json, "w") as f:
