@@ -569,6 +569,47 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def gather_ranks(worker: Callable[..., None], ranks: int, root: str, cfg: Dict[str, Any], timeout: float,
+                 what: str = "benchmark") -> Dict[int, Any]:
+    """Run ``worker(rank, ranks, init, root, cfg, queue)`` in ``ranks`` spawned processes and collect their results.
+
+    Every benchmark mode launches its ranks with this: ``init`` is a
+    ``tcp://127.0.0.1`` address for their gloo group, and each rank puts
+    ``(rank, result)`` on ``queue`` (a dict with ``"error"`` when it failed).
+    Raises if a rank fails or dies, or the whole run outlasts ``timeout``
+    seconds; no rank process is left on return.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    pc = mp.start_processes(worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False, start_method="spawn")
+    per_rank: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(per_rank) < ranks:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"the {what} did not finish within {timeout:.0f}s")
+            try:
+                rank, r = q.get(timeout=min(5.0, left))
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in pc.processes):
+                    raise RuntimeError(f"a {what} rank died") from None
+                continue
+            if isinstance(r, dict) and "error" in r:
+                raise RuntimeError(f"rank {rank} failed: {r['error']}")
+            per_rank[rank] = r
+        pc.join(60)
+    finally:
+        for p in pc.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    return per_rank
+
+
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
               train: bool = True, timeout: float = 1800.0, remote: Optional[str] = None,
               storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0,
@@ -580,7 +621,6 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     per system and repetition (``[bench] nostall_async rep 2/3: stall ...``).
     """
     import torch
-    import torch.multiprocessing as mp
 
     own = root is None
     root = root or tempfile.mkdtemp(prefix="nostall-bench-")
@@ -595,33 +635,9 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     if progress:
         print(f"[bench] starting {ranks} ranks x {mb} MiB, {reps} repetition(s) after a first save of each of "
               f"{', '.join(list(LIMITS) + list(systems))}", file=sys.stderr, flush=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    pc = mp.start_processes(_worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False,
-                            start_method="spawn")
-    per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"benchmark did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError("a benchmark rank died") from None
-                continue
-            if "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
-        pc.join(60)
+        per_rank = gather_ranks(_worker, ranks, root, cfg, timeout)
     finally:
-        for p in pc.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
         if own:
             shutil.rmtree(root, ignore_errors=True)
         if remote is not None:

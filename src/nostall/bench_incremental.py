@@ -60,7 +60,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .bench import _free_port, _locals, _zero_template
+from .bench import _locals, _zero_template, gather_ranks
 
 SYSTEMS = ("full_async", "incremental_async", "full_sync", "incremental_sync")
 STATES = ("lora", "everything")
@@ -410,7 +410,6 @@ def run_bench(ranks: int = 2, mb: int = 256, reps: int = 3, saves: int = 4, syst
               progress: bool = False, timeout: float = 7200.0) -> Dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
     import torch
-    import torch.multiprocessing as mp
 
     if saves < 1 or reps < 1 or ranks < 1 or mb < 1:
         raise ValueError("--saves, --reps, --ranks and --mb-per-rank must be at least 1")
@@ -422,33 +421,9 @@ def run_bench(ranks: int = 2, mb: int = 256, reps: int = 3, saves: int = 4, syst
     if progress:
         print(f"[bench incremental] {ranks} ranks x {mb} MiB; states {', '.join(states)}; {reps} repetition(s) of "
               f"{', '.join(systems)}, each a first save and {saves} more; under {root}", file=sys.stderr, flush=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    pc = mp.start_processes(_worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False,
-                            start_method="spawn")
-    per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"benchmark did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError("a benchmark rank died") from None
-                continue
-            if "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
-        pc.join(60)
+        per_rank = gather_ranks(_worker, ranks, root, cfg, timeout, "benchmark")
     finally:
-        for p in pc.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
         if own:
             shutil.rmtree(root, ignore_errors=True)
     runs = combine(per_rank)

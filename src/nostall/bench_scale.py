@@ -34,12 +34,13 @@ import os
 import pickle
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .bench import gather_ranks
 
 PARTS = ("planning", "moe", "load")
 TP_GROUP = 8
@@ -288,44 +289,12 @@ def _moe_run(rank: int, world: int, root: str, cfg: Dict[str, Any], dist: Any) -
     return points
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def bench_moe(ranks: int, tensors_list: Sequence[int], kib: Tuple[float, float], reps: int, root: str,
               progress: bool = False, timeout: float = 3600.0) -> List[Dict[str, Any]]:
     """Spawn ``ranks`` gloo ranks; rank 0's points (one per tensor count), the slowest rank's stall beside."""
-    import torch.multiprocessing as mp
 
     cfg = {"tensors": list(tensors_list), "kib": kib, "reps": max(1, reps), "progress": progress}
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    pc = mp.start_processes(_moe_rank, args=(ranks, f"tcp://127.0.0.1:{_free_port()}", root, cfg, q), nprocs=ranks,
-                            join=False, start_method="spawn")
-    per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"the moe benchmark did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError("a benchmark rank died") from None
-                continue
-            if isinstance(r, dict) and "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
-        pc.join(60)
-    finally:
-        for p in pc.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+    per_rank = gather_ranks(_moe_rank, ranks, root, cfg, timeout, "moe benchmark")
     points = per_rank[0]
     for i, p in enumerate(points):
         p["slowest_rank_stall_s"] = [max(per_rank[r][i]["stall_s"][k] for r in per_rank)

@@ -48,7 +48,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .bench import _TrainLoop, _free_port, _locals, _quiet_dcp_process, _zero_template
+from .bench import _TrainLoop, _locals, _quiet_dcp_process, _zero_template, gather_ranks
 
 SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "nostall_async_capped", "dcp_sync", "dcp_async_process",
            "dcp_async_staging", "torch_save")
@@ -653,7 +653,6 @@ def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, re
               capped_mb_s: float = CAPPED_MB_S) -> Dict[str, Any]:
     """Run the end-to-end benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
     import torch
-    import torch.multiprocessing as mp
 
     if every < 1 or steps <= every:
         raise ValueError(f"--steps ({steps}) must exceed --every ({every}) >= 1: a run needs a save and a step after")
@@ -666,33 +665,9 @@ def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, re
         print(f"[bench train] {ranks} ranks x {mb} MiB, {steps} steps of {compute_ms:g} ms compute "
               f"({', '.join(compute)}), a save every {every}; {reps} repetition(s) of baseline, "
               f"{', '.join(systems)}; under {root}", file=sys.stderr, flush=True)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    pc = mp.start_processes(_worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False,
-                            start_method="spawn")
-    per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
     try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"benchmark did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError("a benchmark rank died") from None
-                continue
-            if "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
-        pc.join(60)
+        per_rank = gather_ranks(_worker, ranks, root, cfg, timeout, "benchmark")
     finally:
-        for p in pc.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
         if own:
             shutil.rmtree(root, ignore_errors=True)
     r0 = per_rank[0]

@@ -485,9 +485,11 @@ class CheckpointManager:
         handle._set_result(stats)
 
     def _drive(self, timeout: Optional[float]) -> None:
-        """SaveHandle.result()/exception(): settle, without raising here."""
+        """SaveHandle.result()/exception(): settle (retention included), without raising here."""
         with self._lock:
             self._settle(timeout)
+            if self._writer is not None:
+                self._writer.flush(self.options.timeout if timeout is None else timeout)
 
     def _peek(self) -> Optional[bool]:
         """SaveHandle.done(): settle only if the outcome is already there; never blocks.
@@ -557,7 +559,8 @@ class CheckpointManager:
         Once it returns, the commit callbacks of the saves it waited for
         (``on_commit``, ``add_done_callback``) have run, and so has retention
         (``keep_last``: a background writer deletes old checkpoints after it
-        reports the commit, so that the trainers learn of it first).
+        reports the commit, so that the trainers learn of it first; a
+        handle's ``result()`` waits for it too, the next ``save()`` does not).
         """
         self._finalize(timeout, flush=True)
 
