@@ -49,8 +49,10 @@ VICTIMS = [int(v) for v in os.environ.get("NOSTALL_HOSTKILL_VICTIMS", "1,0").spl
 JOB_TIMEOUT_S = 150.0  # one torchrun job (start-up on a loaded 2-core machine included)
 CKPT_TIMEOUT_S = 6.0  # the host-kill jobs' checkpoint bound (--timeout); a dead peer breaks collectives at once
 # survivors of a killed host exit within: the trainer's bounded wait for the save in flight (1.5 x timeout),
-# then process teardown (torchrun SIGKILLs what is left 30 s after it asked its ranks to stop)
-EXIT_BOUND_S = 1.5 * CKPT_TIMEOUT_S + 30
+# then process teardown (torchrun SIGKILLs what is left 30 s after it asked its ranks to stop), then the
+# agent's own rendezvous shutdown against the dead host's store, which took over 9 s more beside two CPU
+# burners: a bound that catches a hang, not a slow machine
+EXIT_BOUND_S = 1.5 * CKPT_TIMEOUT_S + 30 + 45
 MODEL = ["--loop", "sft", "--tp", "2", "--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
          "--global-batch", "8", "--async-save", "--keep-last", "2"]
 STEPS, STOP, INTERVAL = 10, 8, 3  # run 1 saves steps 3 and 6 and stops after 8; resumes train 7..10
