@@ -24,6 +24,7 @@ This module does not import torch (it runs in the writer process).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from . import storage
 from .format import FileRecord, Placed, block_crcs, content_digest, digest_hasher, parse_file_header
 from .jobs import Crcs, FileJob, PieceId, PlannedPiece, SaveJob, Written
+
+log = logging.getLogger("nostall")
 
 Parts = Iterable[Tuple[int, memoryview]]
 """(start, bytes) of each piece of a file, in file order."""
@@ -87,13 +90,55 @@ class Checksums:
         return {k: tuple(c for f in fs for c in f.result()) for k, fs in self._pending.items()}
 
 
+ReadRange = Callable[[str, int, int], bytes]
+"""(``<checkpoint>/<file>``, start, end) -> those bytes as stored (:meth:`nostall.roots.Root.read_range`)."""
+
+_VERIFY_CHUNK = 16 << 20
+
+
 @dataclass
 class Base:
     """The pieces of the committed save a new save may reuse: by identity, where their bytes are
-    (``<checkpoint>/<file>`` names), and those files."""
+    (``<checkpoint>/<file>`` names), and those files.
+
+    ``read``: where a job reads the stored bytes back. With it, a piece is reused only once the bytes
+    it names are read back and hash to its digest (:meth:`intact`): a file damaged or replaced since it
+    was written is never referenced again -- the piece is written anew, from the trainer's good copy.
+    """
 
     pieces: Dict[PieceId, Placed] = field(default_factory=dict)
     files: Dict[str, FileRecord] = field(default_factory=dict)
+    read: Optional[ReadRange] = None
+    _checked: Dict[Tuple[str, int, int], bool] = field(default_factory=dict)
+
+    def for_job(self, read: ReadRange) -> "Base":
+        """This base for one job, verifying what it reuses through ``read``."""
+        return Base(self.pieces, self.files, read)
+
+    def intact(self, p: Placed) -> bool:
+        """Whether the stored bytes of ``p`` still hash to its digest (read back once per job)."""
+        if self.read is None:
+            return True
+        key = (p.file, p.start, p.end)
+        if key not in self._checked:
+            self._checked[key] = self._verify(p)
+        return self._checked[key]
+
+    def _verify(self, p: Placed) -> bool:
+        assert self.read is not None
+        h = digest_hasher()
+        try:
+            for a in range(p.start, p.end, _VERIFY_CHUNK):
+                h.update(self.read(p.file, a, min(a + _VERIFY_CHUNK, p.end)))
+        except Exception as e:  # gone, unreadable, truncated: not to be relied on
+            log.warning("%s: cannot read back bytes [%d, %d) that this save would reference (%s): writing "
+                        "them again", p.file, p.start, p.end, e)
+            return False
+        if h.hexdigest() != p.digest:
+            log.warning("%s: bytes [%d, %d) no longer hash to what was written there (damaged or replaced "
+                        "since): this save writes them again rather than referencing them", p.file, p.start, p.end)
+            return False
+        return True
 
 
 class History:
@@ -111,7 +156,9 @@ class History:
         self.base = Base()
 
     def base_for(self, job: SaveJob) -> Optional[Base]:
-        return self.base if job.incremental and job.base and job.base == self.save_id else None
+        if job.incremental and job.base and job.base == self.save_id:
+            return self.base.for_job(job.dest.root.read_range)  # reused bytes are read back first
+        return None
 
     def committed(self, job: SaveJob, done_placed: Dict[PlannedPiece, Placed], files: Dict[str, FileRecord],
                   ids: Dict[PlannedPiece, PieceId]) -> None:
@@ -222,7 +269,7 @@ class _FileOut:
         p = self.base.pieces.get(self.ids[(self.f.name, piece[0], piece[1])])
         if p is None or p.digest != digest or p.end - p.start != piece[1] - piece[0] or p.file not in self.base.files:
             return None
-        return p
+        return p if self.base.intact(p) else None
 
     def close(self) -> Tuple[Dict[Tuple[int, int], Tuple[int, int, str]], Dict[Tuple[int, int], Placed], int]:
         """Finish the file: (own pieces' output ranges and digests, reused pieces, size; 0: no file)."""

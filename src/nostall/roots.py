@@ -92,7 +92,57 @@ RETIRED_PREFIX = ".retired-"
 manifests of checkpoints deleted (or replaced) while other retained checkpoints still read some of
 their data files (incremental saves). They prove those files are nostall's; each file is deleted once
 nothing reads it, and the retired manifest after its last file."""
-_RETIRED_RE = re.compile(r"^\.retired-[0-9a-f]{16}\.json$")
+_RETIRED_RE = re.compile(r"^\.retired-([0-9a-f]{16}|[0-9a-f]{32})\.json$")
+_RETIRED_MARK_RE = re.compile(rf"^retired-({_ID})\.nostall$")
+_BESIDE_RE = re.compile(rf"^\.(.*)\.nostall-(save|commit|trash)-({_ID})$")
+"""What a one-shot save or a directory its caller names (a detached root) makes beside its checkpoint."""
+
+
+def _retired_name() -> Tuple[str, str]:
+    """(id, file name) of a new retired manifest: its proof is the mark ``.tmp/retired-<id>.nostall``."""
+    rid = os.urandom(16).hex()
+    return rid, f"{RETIRED_PREFIX}{rid}.json"
+
+
+def _retired_proof(rid: str, name: str) -> bytes:
+    """The content of the mark that proves ``<name>/.retired-<rid>.json`` is a manifest nostall retired."""
+    return f"{rid} {name}\n".encode()
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, Linux), or "" where unknown: with the pid, it
+    tells a live process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+def _mark_content(save_id: str) -> bytes:
+    """A mark: the entry's id, then who made it (host, pid, process start), for a sweep to tell whether
+    the save it belongs to can still be running."""
+    pid = os.getpid()
+    return f"{save_id}\n{socket.gethostname()} {pid} {_start_time(pid)}\n".encode()
+
+
+def _maker_gone(content: bytes) -> bool:
+    """Whether the process that wrote a mark is known to have ended (same host, its pid gone or reused).
+    Unknown (another host, an old or cut mark): False, so the entry is left alone."""
+    lines = content.decode("ascii", "replace").split("\n")
+    fields = lines[1].split() if len(lines) > 2 else []
+    if len(fields) != 3 or fields[0] != socket.gethostname() or not fields[1].isdigit():
+        return False
+    pid = int(fields[1])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass  # alive, someone else's
+    return bool(fields[2]) and _start_time(pid) not in ("", fields[2])
 
 
 def _tagged(name: str, save_id: str) -> str:
@@ -253,6 +303,11 @@ class Root(abc.ABC):
     @abc.abstractmethod
     def committed_at(self, name: str) -> Optional[str]:
         """When the checkpoint ``name`` was committed (its manifest written), ISO 8601 UTC; None if unknown."""
+
+    @abc.abstractmethod
+    def read_range(self, ref: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the stored file ``ref`` (``<checkpoint>/<file>``), as stored (nothing
+        followed that is a link). An incremental save's writer reads back what it would reference."""
 
     # ------------------------------------------------------------------ lifetime
     @abc.abstractmethod
@@ -515,6 +570,9 @@ class PosixRoot(Root):
             return None
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
+    def read_range(self, ref: str, start: int, end: int) -> bytes:
+        return storage.read_beneath(self.url, ref, start, end)
+
     @staticmethod
     def _mark_of(path: str) -> str:
         return path + MARK_SUFFIX
@@ -522,24 +580,25 @@ class PosixRoot(Root):
     def _proven(self, path: str, save_id: str) -> bool:
         """Whether the mark beside ``path`` proves nostall made it for save ``save_id``."""
         try:
-            return storage.read_small_file(self._mark_of(path), 64).decode("ascii", "replace").strip() == save_id
+            raw = storage.read_small_file(self._mark_of(path), 512)
         except OSError:
             return False
+        return raw.decode("ascii", "replace").split("\n", 1)[0].strip() == save_id
 
     def _drop_cut_mark(self, path: str, save_id: str) -> None:
         """A mark whose entry never came: a crash cut it short while it was being written (its
         content is a prefix of the id in its name, possibly empty). It is nostall's: delete it."""
         mark = self._mark_of(path)
         try:
-            content = storage.read_small_file(mark, 64).decode("ascii")
+            content = storage.read_small_file(mark, 512).decode("ascii")
         except (OSError, UnicodeDecodeError):
             return
-        if save_id.startswith(content):
+        if "\n" not in content and save_id.startswith(content):
             os.unlink(mark)
 
     def _make_ours(self, path: str, save_id: str, make_dir: bool = True) -> None:
         """Claim ``path`` with its mark (first: a crash never leaves an unmarked entry of ours), then make it."""
-        _create(self._mark_of(path), save_id.encode())
+        _create(self._mark_of(path), _mark_content(save_id))
         if make_dir:
             os.mkdir(path)
 
@@ -606,6 +665,10 @@ class PosixRoot(Root):
         tmp = os.path.join(self.url, TMP_DIR)
         for n in os.listdir(tmp):
             path = os.path.join(tmp, n)
+            r = _RETIRED_MARK_RE.match(n)
+            if r is not None:  # the proof of a retired manifest: kept while that manifest is there
+                self._drop_stale_proof(r.group(1))
+                continue
             m = _OURS_RE.match(n) or _MARK_RE.match(n)
             if m is None:
                 if n != LOCK:
@@ -628,6 +691,8 @@ class PosixRoot(Root):
                     "refusing to replace it: choose another directory or remove it"
                 )
             os.makedirs(self.url, exist_ok=True)
+            self._release_root(self._take_root(dest.name))  # refused now, not after the write
+            self._sweep_beside()
         else:
             self.check()
             os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
@@ -694,6 +759,13 @@ class PosixRoot(Root):
         storage.fsync_dir(staging)
         crash_point("commit.manifest", dest.step)
         self._no_link(final)
+        held = self._take_root(dest.name)  # a managed root's checkpoint is replaced only under its lock
+        try:
+            self._publish(dest, staging, final)
+        finally:
+            self._release_root(held)
+
+    def _publish(self, dest: Destination, staging: str, final: str) -> None:
         old: Optional[str] = None  # where the checkpoint this one replaces now is (marked as this save's)
         if _lkind(final) is not None:
             if not self.is_checkpoint(dest.name) and not self._retired(dest.name):
@@ -717,6 +789,59 @@ class PosixRoot(Root):
             self._drop_mark(staging)
         except OSError as e:
             log.warning("%s is committed, but a follow-up failed: %s", final, e)
+
+    def _take_root(self, name: str) -> Optional[int]:
+        """A detached root saving ``step_<N>`` into a directory that is a managed root (it has ``.tmp/.lock``):
+        that root's lock, taken without waiting (a descriptor to release), so that no checkpoint of a root
+        another live manager holds is created or replaced behind its back. None when there is nothing to take.
+
+        Raises :class:`~nostall.CheckpointSaveError` naming the holder when another process holds it.
+        """
+        if not self.detached or parse_step(name) is None:
+            return None
+        path = os.path.join(self.url, TMP_DIR, LOCK)
+        self._no_link(os.path.join(self.url, TMP_DIR))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in self._UNSUPPORTED_LOCK:
+                return fd
+            owner = self._lock_owner(fd)
+            os.close(fd)
+            raise CheckpointSaveError(
+                f"{self.path(name)} is a checkpoint of the root {self.url}, which a checkpoint manager holds "
+                f"({owner}): saving there would change that job's checkpoints behind its back. Save to another "
+                "directory, or through that manager") from None
+        return fd
+
+    @staticmethod
+    def _release_root(fd: Optional[int]) -> None:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+    def _sweep_beside(self) -> None:
+        """A detached root, before a save: remove what crashed saves left beside their checkpoints here
+        (``.<name>.nostall-<kind>-<id>`` with their marks) -- only entries whose mark proves them nostall's
+        and whose maker, a process of this host, has ended (a save still running is never touched)."""
+        try:
+            names = os.listdir(self.url)
+        except OSError:
+            return
+        for n in names:
+            m = _BESIDE_RE.match(n[:-len(MARK_SUFFIX)] if n.endswith(MARK_SUFFIX) else n)
+            if m is None or not n.endswith(MARK_SUFFIX):
+                continue
+            entry = os.path.join(self.url, n[:-len(MARK_SUFFIX)])
+            try:
+                content = storage.read_small_file(os.path.join(self.url, n), 512)
+            except OSError:
+                continue
+            if _maker_gone(content) and self._remove_ours(entry, m.group(3)):
+                log.info("removed %s, left by an interrupted save", entry)
 
     def _drop_mark(self, path: str) -> None:
         """The mark of an entry that is gone (renamed into place, say)."""
@@ -748,29 +873,56 @@ class PosixRoot(Root):
         self._remove_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
         self._remove_ours(self._tmp("latest", dest.save_id), dest.save_id)
 
+    def _proof_path(self, rid: str) -> str:
+        return os.path.join(self.url, TMP_DIR, f"retired-{rid}{MARK_SUFFIX}")
+
+    def _prove_retired(self, rid: str, name: str) -> None:
+        """The proof of ``<name>/.retired-<rid>.json``, made before it exists (a crash leaves a proof of
+        nothing, which the next claim drops; never a retired manifest without proof)."""
+        self._no_link(os.path.join(self.url, TMP_DIR))
+        os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
+        _create(self._proof_path(rid), _retired_proof(rid, name))
+
+    def _drop_stale_proof(self, rid: str) -> None:
+        """Delete the proof of a retired manifest that is no longer anywhere (collected, or never made)."""
+        path = self._proof_path(rid)
+        try:
+            name = storage.read_small_file(path, 512).decode("ascii", "replace").split()[1]
+        except (OSError, IndexError):
+            name = ""
+        if parse_step(name) is not None and _lkind(os.path.join(self.path(name), f"{RETIRED_PREFIX}{rid}.json")):
+            return
+        os.unlink(path)
+
+    def _retire(self, name: str, saving: Optional[int]) -> None:
+        """``name`` stops being a checkpoint, atomically: its manifest becomes a retired one (proven first)."""
+        d = self.path(name)
+        rid, retired = _retired_name()
+        self._prove_retired(rid, name)
+        os.rename(os.path.join(d, MANIFEST_NAME), os.path.join(d, retired))
+        storage.fsync_dir(d)
+        crash_point("retain.moved", saving)
+
     def delete_step(self, step: int, saving: Optional[int] = None, live: AbstractSet[str] = frozenset()) -> None:
+        """Retire the checkpoint, then delete the files its manifest lists that nothing in ``live`` reads, and
+        the directory once nothing else is in it: a file nostall did not write there stays (and so does the
+        directory)."""
         name = step_name(step)
         if not self.is_checkpoint(name):
             log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
             return
-        if any(n.startswith(name + "/") for n in live):  # later checkpoints read some of its files: retire it
-            d = self.path(name)
-            os.rename(os.path.join(d, MANIFEST_NAME), os.path.join(d, f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"))
-            storage.fsync_dir(d)  # it stops being a checkpoint atomically; the files read elsewhere stay
-            crash_point("retain.moved", saving)
-            self._collect_dir(name, live)
-            log.info("retention: retired %s (later checkpoints read some of its files)", d)
-            return
-        trash_id = os.urandom(16).hex()
-        trash = self._tmp("trash", trash_id)
-        self._make_ours(trash, trash_id, make_dir=False)
-        os.rename(self.path(name), trash)  # it stops being a checkpoint atomically, then is deleted
-        crash_point("retain.moved", saving)
-        self._remove_ours(trash, trash_id)
-        storage.fsync_dir(self.url)
+        self._retire(name, saving)
+        self._collect_dir(name, live)
+        if _lkind(self.path(name)) is None:
+            storage.fsync_dir(self.url)
+            log.info("retention: deleted %s", self.path(name))
+        else:
+            log.info("retention: retired %s (what is left there is read by later checkpoints, or not nostall's)",
+                     self.path(name))
 
     def _retired(self, name: str) -> List[Tuple[str, Manifest]]:
-        """The retired manifests in step directory ``name`` (only those that parse: they prove the files)."""
+        """The retired manifests in step directory ``name`` that nostall proves it retired (a mark under
+        ``.tmp`` names each, with its directory): only those prove the files they list are nostall's."""
         d = self.path(name)
         out = []
         try:
@@ -781,6 +933,15 @@ class PosixRoot(Root):
             if not _RETIRED_RE.match(n):
                 continue
             path = os.path.join(d, n)
+            rid = n[len(RETIRED_PREFIX):-len(".json")]
+            try:
+                proven = storage.read_small_file(self._proof_path(rid), 512) == _retired_proof(rid, name)
+            except OSError:
+                proven = False
+            if not proven:
+                log.warning("%s: nostall has no proof that it retired this manifest: left alone, with the files "
+                            "it lists", path)
+                continue
             try:
                 m = Manifest.from_json_bytes(storage.read_small_file(path, MANIFEST_PROOF_MAX_BYTES), path)
             except (CheckpointError, OSError):
@@ -790,29 +951,26 @@ class PosixRoot(Root):
         return out
 
     def _collect_dir(self, name: str, live: AbstractSet[str]) -> None:
-        """Delete the files the retired manifests of ``name`` list that nothing in ``live`` reads, then each
-        retired manifest whose files are all gone, then the directory once it is empty."""
+        """Delete the files the retired manifests of ``name`` list that nothing in ``live`` reads (regular files
+        reached without following any link; never one the checkpoint now there lists), then each retired
+        manifest whose files are all gone and its proof, then the directory once it is empty."""
         d = self.path(name)
+        current = self.manifest(name)
+        keep = set(_listed(current)) if current is not None else set()
         for path, m in self._retired(name):
             left = False
             for f in _listed(m):
-                fpath = os.path.join(d, f)
-                kind = _lkind(fpath)
-                if kind is None:
-                    continue
-                if f"{name}/{f}" in live or not stat.S_ISREG(kind):
-                    left = left or f"{name}/{f}" in live
-                    continue
-                os.unlink(fpath)
-                parent = os.path.dirname(fpath)
-                while parent != d:  # a side file's emptied folders
-                    try:
-                        os.rmdir(parent)
-                    except OSError:
-                        break
-                    parent = os.path.dirname(parent)
+                if f"{name}/{f}" in live:
+                    left = True
+                elif f not in keep:
+                    storage.unlink_beneath(d, f)
             if not left:
                 os.unlink(path)
+                rid = os.path.basename(path)[len(RETIRED_PREFIX):-len(".json")]
+                try:
+                    os.unlink(self._proof_path(rid))
+                except FileNotFoundError:
+                    pass
         if _lkind(os.path.join(d, MANIFEST_NAME)) is None:
             try:
                 os.rmdir(d)
@@ -827,9 +985,41 @@ class PosixRoot(Root):
         except Exception as e:  # committed; leftovers are only space
             log.warning("could not delete the retired files under %s: %s", self.url, e)
 
+    def _foreign(self, name: str) -> List[str]:
+        """What step directory ``name`` holds that nostall cannot prove it wrote: anything but its manifest,
+        its proven retired manifests and the files (and their folders) these list; a link is always foreign."""
+        d = self.path(name)
+        manifests = self._retired(name)
+        m = self.manifest(name)
+        ours = {MANIFEST_NAME} | {os.path.basename(p) for p, _ in manifests}
+        for _, x in manifests + ([(d, m)] if m is not None else []):
+            ours.update(_listed(x))
+        folders = {f.rsplit("/", i)[0] for f in ours for i in range(1, f.count("/") + 1)}
+        out = []
+        for top, dirs, files in os.walk(d):
+            for n in dirs + files:
+                full = os.path.join(top, n)
+                rel = os.path.relpath(full, d).replace(os.sep, "/")
+                mode = _lkind(full) or 0
+                if stat.S_ISDIR(mode) and rel in folders or stat.S_ISREG(mode) and rel in ours:
+                    continue
+                out.append(rel)
+            dirs[:] = [n for n in dirs if stat.S_ISDIR(_lkind(os.path.join(top, n)) or 0)]
+        return sorted(out)
+
     def _carry(self, dest: Destination, staging: str) -> None:
         """Before ``dest`` replaces the checkpoint (or retired files) of its step: hard-link into the staging
-        what other checkpoints still read from the old directory, with the manifests listing it (retired)."""
+        what other checkpoints still read from the old directory, with the manifests listing it (retired).
+
+        Raises (before the commit point) when the old directory holds anything nostall cannot prove it
+        wrote: the replaced directory is deleted whole, so it must hold nothing else.
+        """
+        foreign = self._foreign(dest.name)
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise CheckpointSaveError(
+                f"{self.path(dest.name)} holds files nostall did not write ({shown}); refusing to replace it: "
+                "move them elsewhere (or save under another step)")
         live = {n for n in self.referenced(skip=[dest.step] if dest.step is not None else [])
                 if n.startswith(dest.name + "/")}
         old = self.path(dest.name)
@@ -840,14 +1030,18 @@ class PosixRoot(Root):
             manifests.append((current, m))
         for path, m in manifests:
             kept = [f for f in _listed(m) if f"{dest.name}/{f}" in live
-                    and stat.S_ISREG(_lkind(os.path.join(old, f)) or 0)]
+                    and stat.S_ISREG(getattr(storage.lstat_beneath(old, f), "st_mode", 0))]
             if not kept:
                 continue
             for f in kept:
                 os.makedirs(os.path.dirname(os.path.join(staging, f)), exist_ok=True)
-                os.link(os.path.join(old, f), os.path.join(staging, f))
-            retired = path if path != current else f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
-            os.link(path, os.path.join(staging, os.path.basename(retired)))
+                storage.link_beneath(old, f, os.path.join(staging, f))
+            if path == current:
+                rid, retired = _retired_name()
+                self._prove_retired(rid, dest.name)
+            else:
+                retired = os.path.basename(path)
+            os.link(path, os.path.join(staging, retired), follow_symlinks=False)
             log.info("%s: files of the checkpoint it replaces that other checkpoints read are kept",
                      self.path(dest.name))
 
@@ -1073,6 +1267,14 @@ class ObjectRoot(Root):
                 return None
         return str(t.isoformat())
 
+    def read_range(self, ref: str, start: int, end: int) -> bytes:
+        fs = self._fs()[0]
+        url = _join(self.url, ref)
+        raw = self._retry(f"read {url}", lambda: fs.cat_file(self._key(*ref.split("/")), start=start, end=end))
+        if len(raw) != end - start:
+            raise CheckpointCorruptError(f"{url}: truncated: wanted bytes [{start}, {end}), got {len(raw)}")
+        return bytes(raw)
+
     # ------------------------------------------------------------------ lifetime
     def claim(self) -> Claim:
         log.info("%s: object storage has no cross-job lock; make sure one job saves to it at a time", self.url)
@@ -1138,9 +1340,7 @@ class ObjectRoot(Root):
         if old is not None and any(n.startswith(dest.name + "/") for n in self.referenced(
                 skip=[dest.step] if dest.step is not None else [])):
             # other checkpoints read files of the one this replaces: its manifest is kept, retired, to prove them
-            retired = f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
-            self._retry(f"upload {_join(self.url, dest.name, retired)}",
-                        lambda: fs.pipe_file(self._key(dest.name, retired), old))
+            self._upload_retired(dest.name, old)
         self._retry(f"upload {url}", lambda: fs.pipe_file(self._key(dest.name, MANIFEST_NAME), manifest))
         crash_point("commit.renamed", dest.step)
         self._drop_other_saves(dest)
@@ -1182,29 +1382,29 @@ class ObjectRoot(Root):
         except Exception as e:
             log.warning("could not remove the partial upload under %s: %s", self.path(dest.name), e)
 
+    def _upload_retired(self, name: str, raw: bytes) -> None:
+        """Store ``raw`` (a manifest of ``name``) as a retired manifest there, its proof uploaded first."""
+        fs = self._fs()[0]
+        rid, retired = _retired_name()
+        proof = (TMP_DIR, f"retired-{rid}{MARK_SUFFIX}")
+        self._retry(f"upload {_join(self.url, *proof)}", lambda: fs.pipe_file(self._key(*proof),
+                                                                               _retired_proof(rid, name)))
+        self._retry(f"upload {_join(self.url, name, retired)}", lambda: fs.pipe_file(self._key(name, retired), raw))
+
     def delete_step(self, step: int, saving: Optional[int] = None, live: AbstractSet[str] = frozenset()) -> None:
+        """Retire the checkpoint (its manifest kept as a retired one, the checkpoint gone once the manifest is),
+        then delete the files it lists that nothing in ``live`` reads: nothing else under its prefix."""
         name = step_name(step)
-        m = self.manifest(name)
-        if m is None:
+        raw = self.manifest_bytes(name)
+        if raw is None or self.manifest(name) is None:
             log.warning("retention: %s is not a nostall checkpoint: left alone", self.path(name))
             return
         fs = self._fs()[0]
-        if any(n.startswith(name + "/") for n in live):  # later checkpoints read some of its files: retire it
-            raw = self.manifest_bytes(name)
-            retired = f"{RETIRED_PREFIX}{os.urandom(8).hex()}.json"
-            self._retry(f"upload {_join(self.url, name, retired)}", lambda: fs.pipe_file(self._key(name, retired), raw))
-            self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
-            crash_point("retain.moved", saving)
-            self._collect_prefix(name, live)
-            log.info("retention: retired %s (later checkpoints read some of its files)", self.path(name))
-            return
-        # the manifest first: a half-deleted checkpoint is never listed
+        self._upload_retired(name, raw)
         self._retry(f"delete {self.path(name)}", lambda: fs.rm(self._key(name, MANIFEST_NAME)))
         crash_point("retain.moved", saving)
-        for n in self._ls(name):
-            if n in m.files or _DATA_RE.match(n):
-                self._retry(f"delete {self.path(name)}/{n}", functools.partial(fs.rm, self._key(name, n)))
-        log.info("retention: deleted %s", self.path(name))
+        self._collect_prefix(name, live)
+        log.info("retention: retired %s", self.path(name))
 
     def sweep(self, dest: Destination) -> None:
         """Delete what earlier saves left: their records, and their data files under ``step_*``
@@ -1234,12 +1434,18 @@ class ObjectRoot(Root):
             log.warning("could not sweep the leftovers of earlier saves under %s: %s", self.url, e)
 
     def _retired(self, name: str) -> List[Tuple[str, Manifest]]:
-        """The retired manifests under prefix ``name`` (only those that parse: they prove the files)."""
+        """The retired manifests under prefix ``name`` that nostall proves it retired (``.tmp/retired-<id>.nostall``
+        names each, with its prefix): only those prove the files they list are nostall's."""
         out = []
         for n in self._ls(name):
             if not _RETIRED_RE.match(n):
                 continue
             url = _join(self.url, name, n)
+            rid = n[len(RETIRED_PREFIX):-len(".json")]
+            if self._cat((TMP_DIR, f"retired-{rid}{MARK_SUFFIX}")) != _retired_proof(rid, name):
+                log.warning("%s: nostall has no proof that it retired this manifest: left alone, with the files "
+                            "it lists", url)
+                continue
             try:
                 out.append((n, Manifest.from_json_bytes(remote.read_small(url, MANIFEST_PROOF_MAX_BYTES,
                                                                           self.storage_options), url)))
@@ -1249,11 +1455,15 @@ class ObjectRoot(Root):
 
     def _collect_prefix(self, name: str, live: AbstractSet[str]) -> None:
         fs = self._fs()[0]
+        current = self.manifest(name)
+        keep = set(_listed(current)) if current is not None else set()
         for rname, m in self._retired(name):
             left = False
             for f in _listed(m):
                 if f"{name}/{f}" in live:
                     left = True
+                    continue
+                if f in keep:
                     continue
                 try:
                     self._retry(f"delete {_join(self.url, name, f)}", functools.partial(fs.rm, self._key(name, f)))
@@ -1261,6 +1471,11 @@ class ObjectRoot(Root):
                     pass  # deleted already
             if not left:
                 self._retry(f"delete {_join(self.url, name, rname)}", functools.partial(fs.rm, self._key(name, rname)))
+                proof = (TMP_DIR, f"retired-{rname[len(RETIRED_PREFIX):-len('.json')]}{MARK_SUFFIX}")
+                try:
+                    self._retry(f"delete {_join(self.url, *proof)}", functools.partial(fs.rm, self._key(*proof)))
+                except FileNotFoundError:
+                    pass
 
     def collect(self, live: AbstractSet[str]) -> None:
         try:

@@ -15,7 +15,7 @@ import shutil
 import stat
 import sys
 import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional, Sequence
 
 from .errors import CheckpointCorruptError
 
@@ -281,3 +281,110 @@ def read_whole(path: str, limit: int) -> bytes:
 
 def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- beneath a directory, no link followed
+
+
+def _parts(rel: str) -> List[str]:
+    parts = rel.split("/")
+    if not rel or any(p in ("", ".", "..") for p in parts):
+        raise OSError(errno.EINVAL, "not a plain relative file name", rel)
+    return parts
+
+
+def open_dir_beneath(top: str, folders: Sequence[str] = ()) -> int:
+    """A descriptor of ``top/<folders...>``, opened one component at a time, each with ``O_NOFOLLOW``.
+
+    No path component is followed if it is a symbolic link (the open fails with ``ELOOP`` or
+    ``ENOTDIR``), so nothing reached through a link is ever touched through the descriptor.
+    The caller closes it.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(top, flags)
+    try:
+        for part in folders:
+            nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lstat_beneath(top: str, rel: str) -> Optional[os.stat_result]:
+    """``lstat`` of ``top/rel`` reached without following any link; None when it is absent or any
+    folder on the way is a link or not a directory (then it is not the file that name means here)."""
+    parts = _parts(rel)
+    try:
+        fd = open_dir_beneath(top, parts[:-1])
+    except OSError:
+        return None
+    try:
+        return os.lstat(parts[-1], dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def unlink_beneath(top: str, rel: str) -> bool:
+    """Delete the regular file ``top/rel`` (nothing followed on the way), then each folder of ``rel``
+    it leaves empty. False (nothing deleted) when it is absent, not a regular file, or reached only
+    through a link."""
+    parts = _parts(rel)
+    try:
+        fd = open_dir_beneath(top, parts[:-1])
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.lstat(parts[-1], dir_fd=fd).st_mode):
+            return False
+        os.unlink(parts[-1], dir_fd=fd)
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(fd)
+    for i in range(len(parts) - 2, -1, -1):  # a side file's emptied folders, innermost first
+        try:
+            fd = open_dir_beneath(top, parts[:i])
+        except OSError:
+            break
+        try:
+            os.rmdir(parts[i], dir_fd=fd)
+        except OSError:
+            break  # not empty (or not ours to judge): left
+        finally:
+            os.close(fd)
+    return True
+
+
+def link_beneath(top: str, rel: str, dst: str) -> None:
+    """Hard-link the regular file ``top/rel`` (reached without following any link) as ``dst``."""
+    parts = _parts(rel)
+    fd = open_dir_beneath(top, parts[:-1])
+    try:
+        if not stat.S_ISREG(os.lstat(parts[-1], dir_fd=fd).st_mode):
+            raise _not_regular(os.path.join(top, rel), os.lstat(parts[-1], dir_fd=fd).st_mode)
+        os.link(parts[-1], dst, src_dir_fd=fd, follow_symlinks=False)
+    finally:
+        os.close(fd)
+
+
+def read_beneath(top: str, rel: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the regular file ``top/rel``, reached without following any link."""
+    parts = _parts(rel)
+    fd = open_dir_beneath(top, parts[:-1])
+    try:
+        f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
+                    dir_fd=fd)
+    finally:
+        os.close(fd)
+    try:
+        mode = os.fstat(f).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(os.path.join(top, rel), mode)
+        return bytes(read_exact(f, start, end - start, os.path.join(top, rel)))
+    finally:
+        os.close(f)
