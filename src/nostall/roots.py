@@ -21,13 +21,16 @@ Layout (both; see docs/protocol.md)::
     <root>/.tmp/commit-<id>/    a save's per-rank done records and its outcome
     <root>/.tmp/trash-<id>/     a checkpoint being deleted (POSIX)
 
-What nostall may delete: only entries it can prove it made. Every entry it
-creates under ``.tmp`` is preceded by its mark, a file ``<entry>.nostall``
-holding the id in the entry's name (written first, so a crash never leaves
-an unmarked entry of ours); a step directory is deleted or replaced only once
-its manifest parses as a nostall manifest. Nothing inside a root is followed if it is a
-symbolic link: a root whose ``.tmp``, ``latest`` or ``step_<N>`` is one is
-refused with an error naming it.
+What nostall may delete: only entries it can prove it made (docs/reliability.md has the
+table). Every entry it creates under ``.tmp`` (or beside a detached root's checkpoint) is
+preceded by its mark, a file ``<entry>.nostall`` holding the id in the entry's name and its
+maker (written first, so a crash never leaves an unmarked entry of ours). Retention retires a
+committed checkpoint (its manifest renamed ``.retired-<id>.json``, proven by the mark
+``.tmp/retired-<id>.nostall`` written before) and deletes only the files that manifest lists;
+a directory goes only once empty, and a step directory holding anything else is never
+replaced. Nothing inside a root is followed if it is a symbolic link: deletions walk down
+with ``O_NOFOLLOW`` at every component, and a root whose ``.tmp``, ``latest`` or
+``step_<N>`` is one is refused with an error naming it.
 
 Call order within one save (who: "rank 0" is the committing rank's trainer
 for :meth:`~Root.make_staging` and its writer, or trainer for sync saves,
