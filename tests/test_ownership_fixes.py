@@ -241,3 +241,31 @@ def test_an_incremental_save_never_relies_on_damaged_referenced_bytes(tmp_path, 
         _loads_as(str(root / f"step_{s}"), _state(s))
         m = json.loads((root / f"step_{s}" / "manifest.json").read_bytes())
         assert "step_1/" not in json.dumps(m.get("references", {})), m.get("references")
+
+
+# --------------------------------------------------------------------------- object storage
+
+
+def test_s3_retention_deletes_only_listed_files_and_trusts_only_proven_retired_manifests(s3, tmp_path):
+    bucket = s3.make_bucket("ownership")
+    url, so = f"s3://{bucket}/run", s3.storage_options
+    fs = s3.filesystem()
+    kw: Dict[str, Any] = dict(storage_options=so, local_staging_dir=str(tmp_path / "staging"))
+    with nostall.CheckpointManager(url, keep_last=1, incremental=True, **kw) as mgr:
+        mgr.save(1, _state(1), files={"notes.txt": b"nostall's"})
+        manifest = fs.cat_file(f"{bucket}/run/step_1/manifest.json")
+        fs.pipe_file(f"{bucket}/run/step_1/eval.json", b"the user's")
+        # a copy of step_1 the user keeps (its files under the names the manifest lists, and the manifest
+        # under a retired name): nostall never retired it, so it proves nothing
+        (listed,) = [f.get("stored") or n for n, f in json.loads(manifest)["side_files"].items()]
+        fs.pipe_file(f"{bucket}/run/step_99/{listed}", b"the user's notes")
+        fs.pipe_file(f"{bucket}/run/step_99/.retired-{'ab' * 8}.json", manifest)
+        mgr.save(2, _state(2))
+        mgr.save(3, _state(3))
+    assert fs.cat_file(f"{bucket}/run/step_1/eval.json") == b"the user's"
+    assert fs.cat_file(f"{bucket}/run/step_99/{listed}") == b"the user's notes"
+    left = [p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run/step_1", refresh=True)]
+    assert "manifest.json" not in left and not any(n.startswith("notes.") for n in left), left
+    got = nostall.load({"frozen": torch.zeros(256, 64), "w": torch.zeros(16), "step": 0}, f"{url}/step_3",
+                       storage_options=so)
+    assert torch.equal(got["w"], _state(3)["w"]) and torch.equal(got["frozen"], _state(3)["frozen"])
