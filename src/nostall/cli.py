@@ -9,7 +9,12 @@ gives machine-readable output. A path may also be a run root's ``latest``
 file: the checkpoint it names.
 
 Errors are one line on stderr (``nostall CMD: FAILED: ...``) and exit status 1;
-usage errors exit 2; ``NOSTALL_DEBUG=1`` adds the traceback.
+usage errors exit 2; ``NOSTALL_DEBUG=1`` adds the traceback. A damaged
+checkpoint also gives exit status 1 where the command finds it: ``verify``
+(any byte), ``inspect`` (a file of an earlier checkpoint that an incremental
+one reads is missing or of another size: checked with a stat, no data read),
+``ls`` (a listed checkpoint is unreadable or, as ``inspect`` checks, broken;
+the others are still listed).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any, Dict, List, Optional
 from . import __version__, remote, roots
 from .errors import CheckpointError, CheckpointNotFoundError
 from .format import Manifest
-from .loading import check_checkpoint, read_manifest
+from .loading import check_checkpoint, read_manifest, referenced_file_problems
 
 
 def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optional[str]:
@@ -171,12 +176,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     path = _resolve(args.path, so)
     m = read_manifest(path, so)
     s = _summary(path, m)
+    # an incremental checkpoint is whole only with the files it reads from earlier ones: a stat each
+    problems = referenced_file_problems(path, m, so)
+    s.update(ok=not problems, problems=problems)
     if args.json:
         json.dump(s, sys.stdout, indent=1)
         print()
     else:
         _print_summary(s)
-    return 0
+        if problems:
+            print(f"BROKEN  {path}: {len(problems)} file(s) of earlier checkpoints that it reads are not there as "
+                  "listed: it cannot be loaded", file=sys.stderr)
+            for problem in problems:
+                print(f"  - {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -215,9 +228,11 @@ def _entry(root: roots.Root, name: str, step: Optional[int], so: Optional[Dict[s
                  world_size=m.world_size,
                  referenced_bytes=sum(b for n, b in _read_from(m).items() if "/" in n),
                  references=sorted({n.split("/")[0] for n in m.references}))
+        problems = referenced_file_problems(path, m, so)  # a stat per referenced file, as inspect
+        e.update(broken=bool(problems), problems=problems)
     except (CheckpointError, OSError) as err:
         e.update(bytes=None, files=None, tensors=None, world_size=None, referenced_bytes=None, references=None,
-                 error=str(err))
+                 error=str(err), broken=True, problems=[str(err)])
     e["modified"] = root.committed_at(name)
     return e
 
@@ -251,10 +266,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
             raise CheckpointError(f"{where}: no such directory")
     out = {"root": root.url, "latest": latest,
            "checkpoints": entries}
+    rc = 1 if any(e["broken"] for e in entries) else 0  # listed all the same
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         print()
-        return 0
+        return rc
     if not entries:
         print(f"{out['root']}: no committed checkpoint")
         return 0
@@ -266,10 +282,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
         mark = "  <- latest" if e["latest"] else ""
         detail = (f"{e['tensors']} tensors, world size {e['world_size']}" if e.get("error") is None
                   else f"UNREADABLE: {e['error']}")
-        if e.get("references"):
+        if e.get("error") is None and e["broken"]:
+            detail += f", BROKEN: {'; '.join(e['problems'])}"
+        elif e.get("references"):
             detail += f", reads {_human(e['referenced_bytes'])} from {', '.join(e['references'])}"
         print(f"  {name:<14} {size:>11}  {e['modified'] or '?':<20}  {detail}{mark}")
-    return 0
+    if rc:
+        bad = sum(e["broken"] for e in entries)
+        print(f"nostall ls: {bad} of {len(entries)} checkpoint(s) unreadable or broken (exit status 1)",
+              file=sys.stderr)
+    return rc
 
 
 # --------------------------------------------------------------------------- convert
@@ -441,6 +463,8 @@ the byte ranges the checkpoint reads), checksums unchanged and checked as they
 are read, and its manifest names no other checkpoint. A full checkpoint is
 copied as it is. DST must not exist, or be an empty directory, or, with
 --overwrite, be a nostall checkpoint; the copy appears whole or not at all.
+DST inside SRC, SRC inside DST, or either inside a checkpoint whose files SRC
+reads is refused before anything is written (real paths are compared).
 A run root's 'latest' is never moved by a copy.
 """
 
@@ -484,7 +508,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, title="commands", metavar="COMMAND")
     so_help = "object storage: fsspec options as a JSON object, e.g. '{\"client_kwargs\": {\"endpoint_url\": ...}}'"
     ck_help = "checkpoint directory or URL, a run root (its newest checkpoint), or a run root's 'latest' file"
-    pi = sub.add_parser("inspect", help="show what a checkpoint holds")
+    pi = sub.add_parser("inspect", help="show what a checkpoint holds (exit status 1 if a file of an earlier "
+                                        "checkpoint that it reads is missing)",
+                        description="Show what a checkpoint holds: files, tensors, values, side files. An incremental "
+                                    "checkpoint's files of earlier checkpoints are checked to be there with their "
+                                    "listed sizes (a stat each, no data read): a missing one is named on stderr and "
+                                    "the exit status is 1. 'nostall verify' reads and checks every byte.")
     pi.add_argument("path", help=ck_help)
     pi.add_argument("--json", action="store_true", help="machine-readable output")
     pi.set_defaults(fn=cmd_inspect)
@@ -494,7 +523,14 @@ def _parser() -> argparse.ArgumentParser:
     pv.add_argument("--json", action="store_true", help="machine-readable output (exit status 1 if damaged)")
     pv.set_defaults(fn=cmd_verify)
     pv.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
-    pl = sub.add_parser("ls", help="list the committed checkpoints of a run root: steps, sizes, dates")
+    pl = sub.add_parser("ls", help="list the committed checkpoints of a run root: steps, sizes, dates (exit "
+                                   "status 1 if one is unreadable or broken: a file it reads is missing)",
+                        description="List the committed checkpoints of a run root: steps, sizes, dates, what an "
+                                    "incremental one reads from earlier ones. A checkpoint whose manifest cannot be "
+                                    "read is marked UNREADABLE, one that reads a file of an earlier checkpoint that "
+                                    "is missing or of another size (a stat each, no data read) BROKEN, naming the "
+                                    "file ('broken' and 'problems' in --json); the others are listed as usual, and "
+                                    "the exit status is 1.")
     pl.add_argument("root", help="run root (directory or URL)")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)

@@ -30,8 +30,9 @@ of one), staged beside DST (a directory) or under a local scratch directory
 (a directory) or uploading the manifest last (object storage); a crash leaves
 no half copy that loads. DST must not exist, or be an empty directory, or,
 with ``overwrite=True``, be a nostall checkpoint (replaced atomically); any
-other existing directory, file or symbolic link is refused. Nothing is
-followed through a symbolic link. The copy never moves a run root's
+other existing directory, file or symbolic link is refused, and so is a DST
+inside SRC, holding it, or in a checkpoint SRC reads (:func:`_check_apart`),
+before anything is written. Nothing is followed through a symbolic link. The copy never moves a run root's
 ``latest``: copied into a run root as ``step_<N>``, it is loaded by asking
 for that step.
 """
@@ -110,10 +111,58 @@ class _Out:
     end: int = 0
 
 
-def _same_place(a: str, b: str) -> bool:
-    if remote.is_remote(a) or remote.is_remote(b):
-        return str(a).rstrip("/") == str(b).rstrip("/")
-    return os.path.abspath(a) == os.path.abspath(b)
+def _place(path: str, *, follow_last: bool) -> str:
+    """Where ``path`` is, for comparing places: an object-storage URL normalized (scheme in lower case, no
+    empty component, no trailing ``/``); a local path absolute, its parents' symbolic links resolved, and
+    the last component's too only with ``follow_last`` (a destination that is a link is refused as one later,
+    and nothing is ever written through it)."""
+    if remote.is_remote(path):
+        scheme, _, rest = str(path).partition("://")
+        return f"{scheme.lower()}://" + "/".join(c for c in rest.split("/") if c)
+    full = os.path.abspath(os.fspath(path))
+    if follow_last:
+        return os.path.realpath(full)
+    return os.path.join(os.path.realpath(os.path.dirname(full)), os.path.basename(full))
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether place ``inner`` is ``outer`` or under it (places as :func:`_place` gives them)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _endpoint(so: Optional[Dict[str, Any]]) -> Any:
+    so = so or {}
+    return (so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
+
+
+def _check_apart(src: str, dst: str, m: Manifest, so: Optional[Dict[str, Any]],
+                 dso: Optional[Dict[str, Any]]) -> None:
+    """Refuse a ``dst`` that is the checkpoint ``src`` (manifest ``m``) or a checkpoint whose files it reads
+    (an incremental one's earlier checkpoints), is inside one of them, or holds one: the copy would be written
+    into what it reads, or replacing ``dst`` would delete it. Real paths are compared (symbolic links of
+    ``dst``'s parents resolved), object-storage URLs normalized; nothing is written before this check."""
+    if remote.is_remote(src) != remote.is_remote(dst):
+        return
+    if remote.is_remote(src) and dso is not so and _endpoint(dso) != _endpoint(so):
+        return  # another endpoint: another store (the same URL there is another object)
+    to = _place(dst, follow_last=False)
+    me = _place(src, follow_last=True)
+    parent = (str(src).rstrip("/").rpartition("/")[0] if remote.is_remote(src)
+              else os.path.dirname(os.path.abspath(src)))  # where the loader finds the references
+    read = [(me, f"the checkpoint being copied ({src})")]
+    for ck in sorted({n.split("/")[0] for n in m.references}):
+        read.append((_place(f"{parent}/{ck}", follow_last=True),
+                     f"{parent}/{ck}, a checkpoint whose files the incremental checkpoint being copied ({src}) reads"))
+    fix = "name a destination outside it"
+    for place, what in read:
+        if to == place:
+            raise CheckpointSaveError(f"copy: {dst} is {what}; name another destination")
+        if _within(to, place):
+            raise CheckpointSaveError(f"copy: {dst} is inside {what}: the copy would be written into what it "
+                                      f"reads; {fix}")
+        if _within(place, to):
+            raise CheckpointSaveError(f"copy: {what} is inside {dst}: writing the copy there would replace what "
+                                      f"it reads; {fix}")
 
 
 def _records(m: Manifest) -> List[Tuple[TensorRecord, bool]]:
@@ -254,9 +303,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     dst = os.fspath(dst)
     if remote.is_remote(dst):
         dst = dst.rstrip("/")
-    if _same_place(src_path, dst):
-        raise CheckpointSaveError(f"copy: {dst} is the checkpoint being copied; name another destination")
     m = read_manifest(src_path, so)
+    _check_apart(src_path, dst, m, so, dso)
     droot, dname = roots.split_checkpoint(dst, dso)
     replacing = _check_destination(dst, droot, dname, overwrite, dso)
 

@@ -519,15 +519,18 @@ class Manifest:
             f = _obj(f, f"files[{n!r}]")
             files[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
         references = {}
+        step = doc["step"]
+        own_step = step if type(step) is int else None
         for n, f in _obj(doc.get("references", {}), "references").items():
-            problem = reference_problem(n)
+            problem = reference_problem(n, own_step) or (
+                None if step is not None else "a checkpoint that records no step (a one-shot save) is not in a "
+                                              "run root: it has no earlier checkpoints to read from")
             if problem:
                 raise CheckpointCorruptError(f"{path}: invalid referenced file {n!r} ({problem}); the manifest is "
                                              "damaged: restore it or load another checkpoint")
             f = _obj(f, f"references[{n!r}]")
             references[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
         world_size = _int(doc["world_size"], "world_size")
-        step = doc["step"]
         per_rank = []
         for i, r in enumerate(_list(doc["per_rank"], "per_rank")):
             r = _obj(r, f"per_rank[{i}]")
@@ -741,18 +744,34 @@ def data_file_problem(name: Any) -> Optional[str]:
     return None
 
 
-def reference_problem(name: Any) -> Optional[str]:
-    """Why ``name`` cannot name a data file of an earlier checkpoint of the root (``<checkpoint>/<file>``), or None.
+def reference_problem(name: Any, own_step: Optional[int] = None) -> Optional[str]:
+    """Why ``name`` cannot name a data file of an earlier checkpoint of the root, or None.
+
+    A reference is ``step_<N>/<file>``: ``step_<N>`` a checkpoint directory's name (decimal ``N``, no
+    padding) other than the referring checkpoint's own (``own_step``; None: not checked), ``<file>`` a
+    data file's name (one path component, not starting with a dot, not the manifest).
 
     >>> reference_problem("step_5/rank0.1f2e3d4c5b6a7988.safetensors") is None
     True
     >>> reference_problem("../../etc/passwd")
-    'it must be <checkpoint>/<file>, each one path component not starting with a dot'
+    'it must be step_<N>/<file>, <file> one path component not starting with a dot'
+    >>> reference_problem("userdir/rank0.safetensors")
+    "'userdir' is not a checkpoint of the root: a reference names step_<N> (decimal N, no padding)"
+    >>> reference_problem("step_5/rank0.safetensors", own_step=5)
+    'step_5 is this checkpoint itself: a reference names a file of another checkpoint of the root'
     """
     parts = name.split("/") if isinstance(name, str) else []
     if len(parts) != 2 or any(data_file_problem(x) for x in parts):
-        return "it must be <checkpoint>/<file>, each one path component not starting with a dot"
+        return "it must be step_<N>/<file>, <file> one path component not starting with a dot"
+    if not _STEP_DIR.fullmatch(parts[0]):
+        return f"{parts[0]!r} is not a checkpoint of the root: a reference names step_<N> (decimal N, no padding)"
+    if own_step is not None and parts[0] == f"step_{own_step}":
+        return f"{parts[0]} is this checkpoint itself: a reference names a file of another checkpoint of the root"
     return None
+
+
+_STEP_DIR = re.compile(r"step_(0|[1-9][0-9]{0,18})")
+"""A checkpoint directory's name in a run root (the rule of ``roots.parse_step``)."""
 
 
 @dataclass(frozen=True)
