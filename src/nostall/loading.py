@@ -346,8 +346,52 @@ def _writable(addr: int) -> bool:
         os.close(w)
 
 
+def _in_files(addrs: List[int]) -> bool:
+    """Whether every address of ``addrs`` lies in a mapping of a file (``/proc/self/maps`` names its path).
+
+    Such memory was mapped from a file (``torch.from_file``, ``torch.load(mmap=True)``, safetensors,
+    ``mmap.mmap`` of a file), never allocated for a Python object such as ``bytes``. False where
+    ``/proc`` cannot tell (not Linux).
+    """
+    left = sorted(set(addrs))
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            for line in f:  # "lo-hi perms offset dev inode path", by address
+                span, _, rest = line.partition(b" ")
+                lo, _, hi = span.partition(b"-")
+                if left[0] < int(lo, 16):
+                    return False  # in no mapping
+                while left and left[0] < int(hi, 16):
+                    fields = rest.split(None, 4)
+                    if len(fields) < 5 or fields[3] == b"0" or not fields[4].startswith(b"/"):
+                        return False  # anonymous memory ([heap], malloc's arenas): anything may live there
+                    left.pop(0)
+                if not left:
+                    return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def _torch_or_file_memory(dest: torch.Tensor, last: int) -> bool:
+    """Whether a CPU tensor's memory is provably for writing into: torch's allocator made it (its storage
+    is resizable, or pinned), or a file is mapped there (see :func:`_in_files`).
+
+    A storage over someone else's memory (``torch.frombuffer``, ``torch.from_numpy``, DLPack) may be an
+    immutable Python object, a ``bytes`` or a read-only numpy array, whose pages are writable all the
+    same: torch only warns when such a tensor is made, and would write into it.
+    """
+    if dest.untyped_storage().resizable() or _in_files([dest.data_ptr(), last]):
+        return True
+    try:
+        return bool(dest.is_pinned())  # torch's pinned allocator (its storages are not resizable)
+    except RuntimeError:  # no accelerator to ask
+        return False
+
+
 def _check_dest(key: str, dest: torch.Tensor) -> None:
-    """Refuse a template tensor that cannot receive data: on the meta device, not dense, or read-only."""
+    """Refuse a template tensor that cannot receive data: on the meta device, not dense, read-only, or over
+    memory that is not provably for writing (see :func:`_torch_or_file_memory`)."""
     if dest.is_meta:
         raise CheckpointLoadError(
             f"key {key!r}: the template's tensor is on the meta device and has no memory to load into; "
@@ -366,6 +410,13 @@ def _check_dest(key: str, dest: torch.Tensor) -> None:
             raise CheckpointLoadError(
                 f"key {key!r}: the template's tensor is in read-only memory (e.g. torch.frombuffer over a "
                 "read-only mmap); load into writable tensors (e.g. its .clone()) instead"
+            )
+        if not _torch_or_file_memory(dest, last):
+            raise CheckpointLoadError(
+                f"key {key!r}: the template's tensor is over memory that torch did not allocate and that maps no "
+                "file (torch.frombuffer, torch.from_numpy, DLPack): it may be an immutable object (bytes, a "
+                "read-only numpy array) that a load must not change, and nostall cannot tell; load into a tensor "
+                "of torch's own memory instead (e.g. its .clone(), then copy it back)"
             )
 
 
@@ -402,6 +453,16 @@ def load_state(
     each bounded by ``timeout`` seconds (retries included) when given.
     ``per_rank``: ``"error"`` (default) refuses PerRank values when the world
     size differs from the save's; ``"skip"`` leaves them as in the template.
+
+    Tensors are filled in place, as ``load_state_dict`` does, so a load writes
+    only into memory it can prove is for writing: a CPU template tensor over
+    memory torch did not allocate and that maps no file (``torch.frombuffer``
+    over ``bytes``, ``torch.from_numpy``, DLPack: possibly an immutable object
+    whose pages are writable all the same) is refused with a
+    :class:`~nostall.CheckpointLoadError` naming its key, as is read-only
+    memory, before anything is written; load into its ``.clone()`` instead.
+    A mapped file (``torch.from_file``, safetensors, ``torch.load(mmap=True)``)
+    is written into like any tensor.
     """
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")

@@ -13,7 +13,8 @@ A state is a nested ``dict`` (dicts, lists and tuples) whose leaves are
 Containers that hold no tensor and no :class:`PerRank` are a single JSON leaf.
 Every leaf has a *key*: the path of dict keys and list indices from the root,
 each component escaped as in JSON Pointer (``~`` -> ``~0``, ``/`` -> ``~1``)
-and joined with ``/`` (``optimizer/state/0/exp_avg``).
+and joined with ``/`` (``optimizer/state/0/exp_avg``). Containers nest at most
+:data:`MAX_DEPTH` levels below the root.
 """
 
 from __future__ import annotations
@@ -114,15 +115,32 @@ def _is_tensor_like(v: Any) -> bool:
     return isinstance(v, (torch.Tensor, ShardedTensor))
 
 
-def _contains_special(v: Any) -> bool:
-    """True when ``v`` holds a tensor-like or PerRank somewhere."""
+MAX_DEPTH = 100
+"""Most levels a state's containers (dicts, lists, tuples) nest below its root: a leaf's key has at
+most this many components. Deeper values would exhaust Python's recursion limit somewhere on the
+way (flattening, the exchange between ranks, JSON), failing with a RecursionError that names
+nothing; they are refused up front, naming the key."""
+
+
+def _contains_special(v: Any, depth: int = 0) -> bool:
+    """True when ``v`` (at ``depth`` levels below the root) holds a tensor-like or PerRank somewhere,
+    or nests deeper than :data:`MAX_DEPTH` (the walk then goes down and refuses it, naming the key)."""
     if _is_tensor_like(v) or isinstance(v, PerRank):
         return True
     if isinstance(v, Mapping):
-        return any(_contains_special(x) for x in v.values())
+        return bool(v) and (depth >= MAX_DEPTH or any(_contains_special(x, depth + 1) for x in v.values()))
     if isinstance(v, (list, tuple)):
-        return any(_contains_special(x) for x in v)
+        return bool(v) and (depth >= MAX_DEPTH or any(_contains_special(x, depth + 1) for x in v))
     return False
+
+
+def _too_deep(path: Tuple) -> InvalidStateError:
+    where = join_key(path[:4]) + "/..."
+    return InvalidStateError(
+        f"key {join_key(path[:1])!r}: a value nested more than {MAX_DEPTH} levels deep (at {where!r}); a state's "
+        f"dicts, lists and tuples may nest at most {MAX_DEPTH} levels (nostall.model.MAX_DEPTH): store it flatter, "
+        "or as one str (json.dumps) or a tensor"
+    )
 
 
 MAX_INT_DIGITS = 4300
@@ -273,18 +291,20 @@ def walk_value(value: Any, visit: Visit) -> Any:
 
 def _walk(v: Any, path: Tuple, visit: Visit, root: bool = False, key: str = "") -> Any:
     """Walk ``v`` at ``path``; ``key`` is ``join_key(path)``, built along the way (one component a level)."""
+    if len(path) > MAX_DEPTH:
+        raise _too_deep(path)
     if is_tensor_leaf(v):
         return visit("tensor", key, v)
     if isinstance(v, PerRank):
         return visit("per_rank", key, v)
-    if isinstance(v, Mapping) and (root or _contains_special(v)):
+    if isinstance(v, Mapping) and (root or _contains_special(v, len(path))):
         out = {}
         for k, x in v.items():
             c = _component(k, path)
             out[k] = _walk(x, path + (c,), visit, False, f"{key}/{escape_component(c)}" if path
                            else escape_component(c))
         return _rebuild_mapping(v, out)
-    if isinstance(v, (list, tuple)) and _contains_special(v):
+    if isinstance(v, (list, tuple)) and _contains_special(v, len(path)):
         items = [_walk(x, path + (i,), visit, False, f"{key}/{i}" if path else str(i)) for i, x in enumerate(v)]
         return type(v)(items) if isinstance(v, tuple) and not hasattr(v, "_fields") else items
     return visit("object", key, v)

@@ -94,6 +94,34 @@ class CollectiveBarrier(Barrier):
         return outcome
 
 
+@dataclass(frozen=True)
+class RankZeroOnly:
+    """A top-level value of a state that only rank 0 of the group may give (``driver=``).
+
+    Rank 0's value is saved; given on another rank, the save fails on every
+    rank, naming it: a value that one rank alone passes would otherwise be
+    saved (or not) depending on which rank it was, silently.
+    """
+
+    value: Any
+    what: str  # how the caller gave it, for the error: "driver="
+
+
+def _rank_zero_only(state: Any, rank: int) -> Any:
+    """``state`` with its :class:`RankZeroOnly` values unwrapped (rank 0), or InvalidStateError (another rank)."""
+    if not isinstance(state, Mapping):
+        return state
+    given = [v for v in state.values() if isinstance(v, RankZeroOnly)]  # a few top-level keys: no cost
+    if not given:
+        return state
+    if rank != 0:
+        what = given[0].what
+        raise InvalidStateError(f"{what} was given on rank {rank}, but only rank 0 gives it (state saved once for "
+                                f"the whole job, such as the job driver's): pass {what} on rank 0 alone (None on "
+                                "the other ranks)")
+    return {k: v.value if isinstance(v, RankZeroOnly) else v for k, v in state.items()}
+
+
 @dataclass
 class Prepared:
     """A save after its collective phases: what to write, and what rank 0 commits."""
@@ -274,7 +302,7 @@ class Saver:
         sig = ""
         side: SideFiles = ()
         try:
-            flat = flatten(state)
+            flat = flatten(_rank_zero_only(state, comm.rank))
             meta = local_meta(flat)
             sig = meta.signature()
             if given and comm.rank == 0:  # rank 0's are saved: its problems reach every rank below

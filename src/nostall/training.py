@@ -43,6 +43,7 @@ from .format import Manifest, TensorRecord
 from ._dtypes import torch_dtype
 from .loading import load_state, read_manifest
 from .model import PerRank, ShardedTensor, escape_component, is_dtensor
+from .saving import RankZeroOnly
 
 log = logging.getLogger("nostall")
 
@@ -224,7 +225,9 @@ class Training:
             (False: those that are not are left as they are, and logged).
         driver: state that only rank 0 gives (the job driver's or
             coordinator's own: its data position, counters), saved once in
-            the same commit; a load gives it back on every rank.
+            the same commit; a load gives it back on every rank. Given on
+            another rank, the save fails on every rank, naming that rank
+            (rank-divergent input must not silently change what is saved).
     """
 
     model: Optional[torch.nn.Module] = None
@@ -247,7 +250,8 @@ class Training:
 
     # ------------------------------------------------------------------ save
     def state(self, world_size: int) -> Dict[str, Any]:
-        """The nostall state of the objects as they are now."""
+        """The nostall state of the objects as they are now (``driver`` wrapped in a
+        :class:`~nostall.saving.RankZeroOnly`: only a :class:`~nostall.saving.Saver` saves it)."""
         out: Dict[str, Any] = {}
         if self.model is not None:
             out["model"] = self.model_leaves()
@@ -260,7 +264,7 @@ class Training:
         if self.extra is not None:
             out["extra"] = self.extra
         if self.driver is not None:
-            out["driver"] = self.driver
+            out["driver"] = RankZeroOnly(self.driver, "driver=")  # the saver refuses it from another rank
         layout = self.layout or ParallelLayout()
         out["layout"] = dict(layout.as_dict(), world_size=world_size)
         return out

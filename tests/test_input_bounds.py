@@ -1,0 +1,227 @@
+"""Bad inputs that must be refused with an error naming what failed (issue 24, defects 6, 11, 14, 15).
+
+Each test checks the outcome a user sees: the error's type, the key (``files=``
+key, state key, rank) its message names, and that nothing was committed (the
+previous checkpoint is still latest and loads) or nothing was written.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nostall
+from nostall.format import MAX_SIDE_FILE_BYTES
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 3)
+
+
+def _sparse(path: pathlib.Path, size: int) -> pathlib.Path:
+    """A file of ``size`` bytes that takes no disk space (reading it yields zeros)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.truncate(size)
+    return path
+
+
+def _only_step_1(root: pathlib.Path, model: torch.nn.Module) -> None:
+    """Step 1 is the only checkpoint, still latest, nothing left in staging, and it loads."""
+    with nostall.CheckpointManager(str(root)) as mgr:
+        assert mgr.steps() == [1] and mgr.latest_step() == 1
+        assert [n for n in os.listdir(root / ".tmp") if n != ".lock"] == []
+        fresh = torch.nn.Linear(4, 3)
+        mgr.load(model=fresh)
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+# --------------------------------------------------------------------------- 6: a total bound on side files
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_side_files_over_the_total_bound_are_refused_before_anything_is_read(tmp_path, async_save):
+    """Each file is under the per-file cap, their sum is over the total bound: refused, naming the keys."""
+    from nostall.side_files import MAX_SIDE_FILES_TOTAL_BYTES
+
+    per = 48 << 20
+    assert per <= MAX_SIDE_FILE_BYTES
+    n = MAX_SIDE_FILES_TOTAL_BYTES // per + 1  # just over the total
+    tok = tmp_path / "tokenizer"
+    for i in range(n - 1):
+        _sparse(tok / f"part{i}.bin", per)
+    m = _model()
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root), async_save=async_save) as mgr:
+        mgr.save(1, model=m).result()
+        files = {"tokenizer": tok, "notes.bin": bytes(per)}  # a directory and a value: both counted
+        with pytest.raises(nostall.InvalidStateError) as ei:
+            mgr.save(2, model=m, files=files).result()
+    msg = str(ei.value)
+    assert "'tokenizer'" in msg and "'notes.bin'" in msg, msg
+    assert str((n - 1) * per) in msg and str(per) in msg, msg  # each key's size
+    assert str(MAX_SIDE_FILES_TOTAL_BYTES) in msg, msg  # the bound
+    assert "tensors" in msg, msg  # the fix
+    _only_step_1(root, m)
+
+
+def test_side_files_at_the_total_bound_are_saved(tmp_path):
+    """Up to the bound is fine (sparse files: no disk space, zeros read back)."""
+    from nostall.side_files import MAX_SIDE_FILES_TOTAL_BYTES
+
+    m = _model()
+    a = _sparse(tmp_path / "a.bin", MAX_SIDE_FILE_BYTES)
+    rest = MAX_SIDE_FILES_TOTAL_BYTES - MAX_SIDE_FILE_BYTES
+    with nostall.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, model=m, files={"a.bin": a, "b.txt": "x" * rest})
+        path = mgr.path_for(1)
+    assert os.path.getsize(os.path.join(path, "a.bin")) + os.path.getsize(os.path.join(path, "b.txt")) \
+        == MAX_SIDE_FILES_TOTAL_BYTES
+
+
+# --------------------------------------------------------------------------- 11: errors naming what failed
+
+
+def test_a_side_file_path_over_the_cap_is_refused_naming_its_key(tmp_path):
+    big = _sparse(tmp_path / "weights" / "huge.bin", MAX_SIDE_FILE_BYTES + 1)
+    m = _model()
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root)) as mgr:
+        mgr.save(1, model=m)
+        with pytest.raises(nostall.InvalidStateError) as ei:
+            mgr.save(2, model=m, files={"extra_weights": big.parent})
+    msg = str(ei.value)
+    assert "'extra_weights/huge.bin'" in msg and "'extra_weights'" in msg, msg  # the file and its files= key
+    assert str(MAX_SIDE_FILE_BYTES + 1) in msg and str(MAX_SIDE_FILE_BYTES) in msg, msg  # its size, the cap
+    assert "tensors" in msg and "unexpected" not in msg and "Errno" not in msg, msg
+    _only_step_1(root, m)
+
+
+def test_a_missing_side_file_path_is_refused_naming_its_key(tmp_path):
+    m = _model()
+    with nostall.CheckpointManager(str(tmp_path / "run")) as mgr:
+        with pytest.raises(nostall.InvalidStateError) as ei:
+            mgr.save(1, model=m, files={"config.json": tmp_path / "nope.json"})
+    msg = str(ei.value)
+    assert "'config.json'" in msg and "nope.json" in msg and "unexpected" not in msg, msg
+
+
+@pytest.mark.parametrize("kind", ["list", "dict"])
+def test_a_driver_value_nested_too_deep_is_refused_naming_the_key(tmp_path, kind):
+    from nostall.model import MAX_DEPTH
+
+    deep: object = 0
+    for _ in range(100_000):
+        deep = [deep] if kind == "list" else {"a": deep}
+    m = _model()
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root)) as mgr:
+        mgr.save(1, model=m)
+        with pytest.raises(nostall.InvalidStateError) as ei:
+            mgr.save(2, model=m, driver=deep)
+    msg = str(ei.value)
+    assert "'driver'" in msg and str(MAX_DEPTH) in msg and "RecursionError" not in msg, msg
+    assert "json.dumps" in msg, msg  # the fix
+    _only_step_1(root, m)
+
+
+def test_a_value_at_the_depth_limit_round_trips(tmp_path):
+    from nostall.model import MAX_DEPTH
+
+    deep: object = 7
+    for _ in range(MAX_DEPTH - 1):  # "driver" is the first level
+        deep = [deep]
+    m = _model()
+    with nostall.CheckpointManager(str(tmp_path / "run")) as mgr:
+        mgr.save(1, model=m, driver=deep)
+        assert mgr.load(model=torch.nn.Linear(4, 3)).driver == deep
+        with pytest.raises(nostall.InvalidStateError, match="'driver'"):
+            mgr.save(2, model=m, driver=[deep])
+
+
+# --------------------------------------------------------------------------- 14: driver= on a rank other than 0
+
+
+def _driver_on_rank_1(rank, world, root):
+    results = []
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    with nostall.CheckpointManager(root) as mgr:
+        mgr.save(1, model=m, driver={"position": 1} if rank == 0 else None)
+        for step, driver in ((2, {"position": 2} if rank == 1 else None),  # rank 1 alone
+                             (3, {"position": 3})):  # every rank
+            try:
+                mgr.save(step, model=m, driver=driver)
+                results.append("saved")
+            except nostall.InvalidStateError as e:
+                results.append(str(e))
+        steps = mgr.steps()
+        loaded = mgr.load(model=torch.nn.Linear(4, 3)).driver
+        dist.barrier()
+        mgr.save(4, model=m, driver={"position": 4} if rank == 0 else None)  # the manager still works
+        after = mgr.load(model=torch.nn.Linear(4, 3)).driver
+    return results, steps, loaded, after
+
+
+def test_driver_given_by_a_rank_other_than_0_is_refused_on_every_rank(pool2, tmp_path):
+    out = pool2.run(_driver_on_rank_1, str(tmp_path / "run"))
+    assert out[0] == out[1]  # every rank raised the same errors (none hung)
+    results, steps, loaded, after = out[0]
+    for msg in results:
+        assert msg != "saved" and "rank 1" in msg and "driver=" in msg and "rank 0" in msg, msg
+    assert "rank 0:" not in results[0], results[0]  # rank 0 did nothing wrong at step 2
+    assert steps == [1] and loaded == {"position": 1}
+    assert after == {"position": 4}
+
+
+# --------------------------------------------------------------------------- 15: templates over immutable memory
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = str(tmp_path / "ckpt")
+    nostall.save({"w": torch.arange(6, dtype=torch.float32), "n": 1}, path)
+    return path
+
+
+def _frombuffer(buf) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The given buffer is not writable": torch only warns
+        return torch.frombuffer(buf, dtype=torch.float32)
+
+
+def test_a_load_never_writes_into_a_bytes_object(saved):
+    data = bytes(24)
+    tpl = {"w": _frombuffer(data), "n": None}
+    with pytest.raises(nostall.CheckpointLoadError) as ei:
+        nostall.load(tpl, saved)
+    assert "'w'" in str(ei.value) and "clone" in str(ei.value), str(ei.value)
+    assert data == bytes(24)
+
+
+def test_a_load_into_a_slice_of_a_bytes_object_is_refused(saved):
+    """The resharding path (a slice of the template: torch's copy) is refused alike."""
+    data = bytes(48)
+    part = nostall.ShardedTensor(_frombuffer(data)[2:5], (6,), (2,))
+    with pytest.raises(nostall.CheckpointLoadError, match="'w'"):
+        nostall.load({"w": part}, saved)
+    assert data == bytes(48)
+
+
+def test_a_load_into_torch_or_file_mapped_memory_works(saved, tmp_path):
+    """Memory torch allocated, and a mapping of a file (torch.from_file, safetensors, torch.load(mmap=True))."""
+    want = torch.arange(6, dtype=torch.float32)
+    own = {"w": torch.zeros(6)}
+    nostall.load(own, saved)
+    assert torch.equal(own["w"], want)
+    f = tmp_path / "buf"
+    f.write_bytes(bytes(24))
+    mapped = {"w": torch.from_file(str(f), shared=False, size=6, dtype=torch.float32)}
+    nostall.load(mapped, saved)
+    assert torch.equal(mapped["w"], want)
