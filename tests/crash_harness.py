@@ -505,12 +505,13 @@ def _check_root(dest: Dest, trial: Trial, out_dir: Optional[str] = None) -> None
     pointed = root.read_latest()
     if pointed is not None and pointed not in steps:
         trial.problems.append(f"latest names step {pointed}, which is not committed (committed: {steps})")
-    files, empty = _stored(dest) if dest.incremental else ({}, [])
+    files, empty = _stored(dest)
     if not dest.remote:  # on object storage a prefix without its manifest is simply not listed
         for name in os.listdir(dest.root):
             if name.startswith("step_") and not os.path.isfile(os.path.join(dest.root, name, "manifest.json")) \
                     and name not in empty and not any(_is_retired(r) for r in files if r.startswith(name + "/")):
-                # (incremental: a retired checkpoint keeps the files others read, beside its retired manifest)
+                # (a retired checkpoint keeps the files others read, beside its retired manifest; so does one
+                # whose retention a crash cut short, until the next claim or retention finishes it)
                 trial.problems.append(f"{name} is listed without a manifest")
     live: Dict[str, int] = {}  # what committed checkpoints read from earlier ones
     trial.references = 0
@@ -714,7 +715,9 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
         final = _final_job(ctx, dest, tmp, len(trials)) if dest.incremental else None
         if not dest.remote:  # a final clean start removes every leftover
             nostall.CheckpointManager(dest.root).close()
-            left = [n for n in os.listdir(os.path.join(dest.root, ".tmp")) if n != ".lock"]
+            retired = {r.rpartition("/.retired-")[2][:-len(".json")] for r in _stored(dest)[0] if _is_retired(r)}
+            left = [n for n in os.listdir(os.path.join(dest.root, ".tmp")) if n != ".lock"
+                    and not (n.startswith("retired-") and n[len("retired-"):-len(".nostall")] in retired)]
             if left:
                 trials[-1].problems.append(f"leftovers not cleaned by a new manager: {left}")
     return Report(trials, seed, time.monotonic() - t_all, dest.timeout,

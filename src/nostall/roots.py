@@ -666,11 +666,12 @@ class PosixRoot(Root):
     def _clean_leftovers(self) -> None:
         """Remove what crashed saves left under ``.tmp``: only entries nostall can prove it made."""
         tmp = os.path.join(self.url, TMP_DIR)
+        retired = False
         for n in os.listdir(tmp):
             path = os.path.join(tmp, n)
             r = _RETIRED_MARK_RE.match(n)
             if r is not None:  # the proof of a retired manifest: kept while that manifest is there
-                self._drop_stale_proof(r.group(1))
+                retired = self._drop_stale_proof(r.group(1)) or retired
                 continue
             m = _OURS_RE.match(n) or _MARK_RE.match(n)
             if m is None:
@@ -682,6 +683,11 @@ class PosixRoot(Root):
                 # (a commit's records outlive a completed save until the next one: the other ranks may still
                 # read its outcome when the job ends; so a leftover here is not always an interrupted save's)
                 log.info("removed %s, left by an earlier save", entry)
+        if retired:  # a retention cut short (or files read until now): finish it
+            try:
+                self.collect(self.referenced())
+            except CheckpointError as e:
+                log.warning("retired checkpoints under %s are kept: %s", self.url, e)
 
     # ------------------------------------------------------------------ one save
     def make_staging(self, dest: Destination) -> None:
@@ -886,16 +892,18 @@ class PosixRoot(Root):
         os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
         _create(self._proof_path(rid), _retired_proof(rid, name))
 
-    def _drop_stale_proof(self, rid: str) -> None:
-        """Delete the proof of a retired manifest that is no longer anywhere (collected, or never made)."""
+    def _drop_stale_proof(self, rid: str) -> bool:
+        """Delete the proof of a retired manifest that is no longer anywhere (collected, or never made);
+        True when the manifest is there (the proof is kept)."""
         path = self._proof_path(rid)
         try:
             name = storage.read_small_file(path, 512).decode("ascii", "replace").split()[1]
         except (OSError, IndexError):
             name = ""
         if parse_step(name) is not None and _lkind(os.path.join(self.path(name), f"{RETIRED_PREFIX}{rid}.json")):
-            return
+            return True
         os.unlink(path)
+        return False
 
     def _retire(self, name: str, saving: Optional[int]) -> None:
         """``name`` stops being a checkpoint, atomically: its manifest becomes a retired one (proven first)."""
