@@ -221,10 +221,14 @@ def test_resaving_a_step_that_holds_user_files_is_refused(tmp_path):
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("damage", ["bitflip", "replaced"])
-def test_an_incremental_save_never_relies_on_damaged_referenced_bytes(tmp_path, async_save, damage):
+@pytest.mark.parametrize("when", [1, 2], ids=["before-first-reference", "after-verified"])
+def test_an_incremental_save_never_relies_on_damaged_referenced_bytes(tmp_path, async_save, damage, when):
+    """The base file is damaged after save ``when``: the first save after it rewrites the pieces from the
+    trainer's copy (read back the first time a piece is referenced; afterwards whenever the file changed)."""
     root = tmp_path / "run"
-    with nostall.CheckpointManager(str(root), keep_last=3, incremental=True, async_save=async_save) as mgr:
-        mgr.save(1, _state(1)).result(120)
+    with nostall.CheckpointManager(str(root), keep_last=5, incremental=True, async_save=async_save) as mgr:
+        for s in range(1, when + 1):
+            mgr.save(s, _state(s)).result(120)
         (base,) = glob.glob(str(root / "step_1" / "rank0.*.safetensors"))
         raw = bytearray(pathlib.Path(base).read_bytes())
         if damage == "bitflip":
@@ -235,9 +239,9 @@ def test_an_incremental_save_never_relies_on_damaged_referenced_bytes(tmp_path, 
             tmp = base + ".other"
             pathlib.Path(tmp).write_bytes(bytes(len(raw)))
             os.replace(tmp, base)
-        mgr.save(2, _state(2)).result(120)
-        mgr.save(3, _state(3)).result(120)
-    for s in (2, 3):
+        for s in range(when + 1, when + 3):
+            mgr.save(s, _state(s)).result(120)
+    for s in range(when + 1, when + 3):
         _loads_as(str(root / f"step_{s}"), _state(s))
         m = json.loads((root / f"step_{s}" / "manifest.json").read_bytes())
         assert "step_1/" not in json.dumps(m.get("references", {})), m.get("references")

@@ -29,7 +29,7 @@ import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from . import storage
 from .format import FileRecord, Placed, block_crcs, content_digest, digest_hasher, parse_file_header
@@ -90,10 +90,22 @@ class Checksums:
         return {k: tuple(c for f in fs for c in f.result()) for k, fs in self._pending.items()}
 
 
-ReadRange = Callable[[str, int, int], bytes]
-"""(``<checkpoint>/<file>``, start, end) -> those bytes as stored (:meth:`nostall.roots.Root.read_range`)."""
+class Readback(Protocol):
+    """Where an incremental save's writer looks at the stored files it would reference (a
+    :class:`nostall.roots.Root`)."""
+
+    def identity(self, ref: str) -> Optional[str]:
+        """A token of the stored file ``ref`` (``<checkpoint>/<file>``) that changes whenever it is written,
+        replaced or renamed over; None when it is not there."""
+
+    def read_into(self, ref: str, start: int, into: memoryview) -> None:
+        """Read ``len(into)`` bytes of ``ref`` at ``start`` into ``into``."""
+
 
 _VERIFY_CHUNK = 16 << 20
+Verified = Dict[Tuple[str, int, int], str]
+"""Pieces (file, start, end) whose stored bytes were read back and hashed to their digest -> the file's
+identity then."""
 
 
 @dataclass
@@ -101,36 +113,60 @@ class Base:
     """The pieces of the committed save a new save may reuse: by identity, where their bytes are
     (``<checkpoint>/<file>`` names), and those files.
 
-    ``read``: where a job reads the stored bytes back. With it, a piece is reused only once the bytes
-    it names are read back and hash to its digest (:meth:`intact`): a file damaged or replaced since it
-    was written is never referenced again -- the piece is written anew, from the trainer's good copy.
+    ``store``: where a job looks at the stored bytes. With it, a piece is reused only once they are
+    shown intact (:meth:`intact`): read back and hashed to the piece's digest the first time it would
+    be referenced, and afterwards as long as its file's identity has not changed since (``verified``,
+    kept by :class:`History` across saves). A file damaged, replaced or removed since is never
+    referenced again: the piece is written anew, from the trainer's good copy.
     """
 
     pieces: Dict[PieceId, Placed] = field(default_factory=dict)
     files: Dict[str, FileRecord] = field(default_factory=dict)
-    read: Optional[ReadRange] = None
-    _checked: Dict[Tuple[str, int, int], bool] = field(default_factory=dict)
+    store: Optional[Readback] = None
+    verified: Verified = field(default_factory=dict)
+    _idents: Dict[str, Optional[str]] = field(default_factory=dict)  # this job's look at each file
+    _buf: Optional[memoryview] = None
 
-    def for_job(self, read: ReadRange) -> "Base":
-        """This base for one job, verifying what it reuses through ``read``."""
-        return Base(self.pieces, self.files, read)
+    def for_job(self, store: Readback, verified: Verified) -> "Base":
+        """This base for one job, showing what it reuses intact through ``store``."""
+        return Base(self.pieces, self.files, store, verified)
 
     def intact(self, p: Placed) -> bool:
-        """Whether the stored bytes of ``p`` still hash to its digest (read back once per job)."""
-        if self.read is None:
+        """Whether the stored bytes of ``p`` are what was written there (see the class docstring)."""
+        if self.store is None:
             return True
+        if p.file not in self._idents:
+            try:
+                self._idents[p.file] = self.store.identity(p.file)
+            except Exception as e:
+                log.warning("%s: cannot look at it (%s): writing again what this save would reference there",
+                            p.file, e)
+                self._idents[p.file] = None
+        ident = self._idents[p.file]
+        if ident is None:
+            log.warning("%s is gone: this save writes again the pieces it would reference there", p.file)
+            return False
         key = (p.file, p.start, p.end)
-        if key not in self._checked:
-            self._checked[key] = self._verify(p)
-        return self._checked[key]
+        if self.verified.get(key) == ident:
+            return True
+        if not self._verify(p):
+            return False
+        self.verified[key] = ident
+        return True
 
     def _verify(self, p: Placed) -> bool:
-        assert self.read is not None
+        assert self.store is not None
+        if self._buf is None:
+            self._buf = memoryview(bytearray(min(_VERIFY_CHUNK, max(p.end - p.start, 1))))
         h = digest_hasher()
         try:
             for a in range(p.start, p.end, _VERIFY_CHUNK):
-                h.update(self.read(p.file, a, min(a + _VERIFY_CHUNK, p.end)))
-        except Exception as e:  # gone, unreadable, truncated: not to be relied on
+                n = min(_VERIFY_CHUNK, p.end - a)
+                if n > len(self._buf):
+                    self._buf = memoryview(bytearray(_VERIFY_CHUNK))
+                self.store.read_into(p.file, a, self._buf[:n])
+                h.update(self._buf[:n])
+        except Exception as e:  # unreadable, truncated: not to be relied on
             log.warning("%s: cannot read back bytes [%d, %d) that this save would reference (%s): writing "
                         "them again", p.file, p.start, p.end, e)
             return False
@@ -154,10 +190,11 @@ class History:
     def __init__(self) -> None:
         self.save_id = ""
         self.base = Base()
+        self.verified: Verified = {}
 
     def base_for(self, job: SaveJob) -> Optional[Base]:
         if job.incremental and job.base and job.base == self.save_id:
-            return self.base.for_job(job.dest.root.read_range)  # reused bytes are read back first
+            return self.base.for_job(job.dest.root, self.verified)  # what it reuses is shown intact first
         return None
 
     def committed(self, job: SaveJob, done_placed: Dict[PlannedPiece, Placed], files: Dict[str, FileRecord],
@@ -174,6 +211,7 @@ class History:
                   for k, p in done_placed.items() if k in ids and p.digest}
         self.save_id = job.save_id
         self.base = Base(pieces, {rel(n): FileRecord(rel(n), f.rank, f.size) for n, f in files.items()})
+        self.verified = {k: v for k, v in self.verified.items() if k[0] in self.base.files}
 
 
 class _FileOut:

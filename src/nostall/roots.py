@@ -308,9 +308,15 @@ class Root(abc.ABC):
         """When the checkpoint ``name`` was committed (its manifest written), ISO 8601 UTC; None if unknown."""
 
     @abc.abstractmethod
-    def read_range(self, ref: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the stored file ``ref`` (``<checkpoint>/<file>``), as stored (nothing
-        followed that is a link). An incremental save's writer reads back what it would reference."""
+    def identity(self, ref: str) -> Optional[str]:
+        """A token of the stored file ``ref`` (``<checkpoint>/<file>``) that changes whenever it is written,
+        replaced or renamed over; None when it is not there (or only through a link). An incremental save's
+        writer reads back what it would reference only when this changed since it last did."""
+
+    @abc.abstractmethod
+    def read_into(self, ref: str, start: int, into: memoryview) -> None:
+        """Read ``len(into)`` bytes of the stored file ``ref`` at ``start`` into ``into`` (nothing followed
+        that is a link; a short file raises :class:`~nostall.CheckpointCorruptError`)."""
 
     # ------------------------------------------------------------------ lifetime
     @abc.abstractmethod
@@ -573,8 +579,14 @@ class PosixRoot(Root):
             return None
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
-    def read_range(self, ref: str, start: int, end: int) -> bytes:
-        return storage.read_beneath(self.url, ref, start, end)
+    def identity(self, ref: str) -> Optional[str]:
+        st = storage.lstat_beneath(self.url, ref)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            return None
+        return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+    def read_into(self, ref: str, start: int, into: memoryview) -> None:
+        storage.read_beneath(self.url, ref, start, into)
 
     @staticmethod
     def _mark_of(path: str) -> str:
@@ -1278,13 +1290,22 @@ class ObjectRoot(Root):
                 return None
         return str(t.isoformat())
 
-    def read_range(self, ref: str, start: int, end: int) -> bytes:
+    def identity(self, ref: str) -> Optional[str]:
+        fs = self._fs()[0]
+        try:
+            info = self._retry(f"stat {_join(self.url, ref)}", lambda: fs.info(self._key(*ref.split("/"))))
+        except FileNotFoundError:
+            return None
+        return ":".join(str(info.get(k, "")) for k in ("ETag", "size", "LastModified", "mtime"))
+
+    def read_into(self, ref: str, start: int, into: memoryview) -> None:
         fs = self._fs()[0]
         url = _join(self.url, ref)
+        end = start + len(into)
         raw = self._retry(f"read {url}", lambda: fs.cat_file(self._key(*ref.split("/")), start=start, end=end))
         if len(raw) != end - start:
             raise CheckpointCorruptError(f"{url}: truncated: wanted bytes [{start}, {end}), got {len(raw)}")
-        return bytes(raw)
+        into[:] = raw
 
     # ------------------------------------------------------------------ lifetime
     def claim(self) -> Claim:

@@ -372,8 +372,9 @@ def link_beneath(top: str, rel: str, dst: str) -> None:
         os.close(fd)
 
 
-def read_beneath(top: str, rel: str, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of the regular file ``top/rel``, reached without following any link."""
+def read_beneath(top: str, rel: str, start: int, into: memoryview) -> None:
+    """Read ``len(into)`` bytes of the regular file ``top/rel`` at ``start`` into ``into``, the file reached
+    without following any link."""
     parts = _parts(rel)
     fd = open_dir_beneath(top, parts[:-1])
     try:
@@ -385,6 +386,6 @@ def read_beneath(top: str, rel: str, start: int, end: int) -> bytes:
         mode = os.fstat(f).st_mode
         if not stat.S_ISREG(mode):
             raise _not_regular(os.path.join(top, rel), mode)
-        return bytes(read_exact(f, start, end - start, os.path.join(top, rel)))
+        read_exact(f, start, len(into), os.path.join(top, rel), into)
     finally:
         os.close(f)
