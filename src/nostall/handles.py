@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -12,6 +13,27 @@ from .errors import CheckpointError
 log = logging.getLogger("nostall")
 
 __all__ = ["SaveStats", "SaveHandle"]
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    """A callback's name for a log record: its qualified name (``on_commit=...`` for a manager's)."""
+    if isinstance(fn, _OnCommit):
+        return f"on_commit={_describe(fn.fn)}"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None)
+    return f"{module}.{name}" if module and module != "builtins" else str(name)
+
+
+class _OnCommit:
+    """A manager's ``on_commit`` as a done callback: called for a committed save only, and named as
+    itself when a wait for it runs out."""
+
+    def __init__(self, fn: Callable[["SaveHandle"], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, handle: "SaveHandle") -> None:
+        if handle.exception(0) is None:
+            self.fn(handle)
 
 
 @dataclass(frozen=True)
@@ -105,9 +127,10 @@ class SaveHandle:
         self._error: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._callbacks: List[Callable[["SaveHandle"], Any]] = []
-        self._running = 0  # callbacks being run now, by any thread
-        self._idle = threading.Event()  # set when no callback is running
-        self._idle.set()
+        # the callback each thread runs now (a stack: one may add another, run at once), so that a wait for
+        # them skips the waiting thread's own and a report names the one that overran
+        self._active: Dict[int, List[Callable[["SaveHandle"], Any]]] = {}
+        self._changed = threading.Condition(self._lock)  # notified when a thread finishes running callbacks
         self._watcher: Optional[threading.Thread] = None
 
     def _set_result(self, stats: SaveStats) -> None:
@@ -122,32 +145,71 @@ class SaveHandle:
         self._done.set()  # callbacks run later, outside the manager's lock (_run_callbacks)
 
     def _run_callbacks(self) -> None:
+        """Run the callbacks due, in this thread. Never called with the manager's lock held (a callback may
+        call the manager)."""
+        me = threading.get_ident()
         with self._lock:
             if not self._done.is_set() or not self._callbacks:
                 return
             callbacks, self._callbacks = self._callbacks, []
-            self._running += 1
-            self._idle.clear()
+            stack = self._active.setdefault(me, [])
+            stack.append(callbacks[0])
         try:
             for fn in callbacks:
+                stack[-1] = fn
                 self._call(fn)
         finally:
             with self._lock:
-                self._running -= 1
-                if self._running == 0:
-                    self._idle.set()
+                stack.pop()
+                if not stack:
+                    del self._active[me]
+                self._changed.notify_all()
+
+    def _quiet(self, strict: bool = False) -> bool:
+        """No callback is due or running (with ``_lock`` held), the calling thread's own running ones
+        aside unless ``strict``. A save with no outcome yet has none due."""
+        me = None if strict else threading.get_ident()
+        return not (self._done.is_set() and self._callbacks) and all(t == me for t in self._active)
+
+    def _callbacks_quiet(self, strict: bool = False) -> bool:
+        """See ``_quiet``: for the manager, which waits at close() for the handles that are not, and
+        forgets (``strict``) the done ones that are."""
+        with self._lock:
+            return self._quiet(strict) and (not strict or self._done.is_set())
+
+    def _wait_callbacks(self, deadline: float) -> List[str]:
+        """Wait until no callback is due or running in another thread, or until ``deadline``
+        (``time.monotonic()``); the names of those still due or running then (empty: none).
+
+        Only waits: the callbacks due are run by the handle's watcher thread (a new one if it ended),
+        so that a callback that never returns does not take the waiting thread with it."""
+        with self._lock:
+            if self._done.is_set() and self._callbacks and (self._watcher is None or not self._watcher.is_alive()):
+                self._watcher = threading.Thread(target=self._run_callbacks, name=f"nostall-handle-{self.step}",
+                                                 daemon=True)
+                self._watcher.start()
+            self._changed.wait_for(self._quiet, max(0.0, deadline - time.monotonic()))
+            if self._quiet():
+                return []
+            me = threading.get_ident()
+            late = [_describe(stack[-1]) for t, stack in self._active.items() if t != me and stack]
+            if self._done.is_set():
+                late += [f"{_describe(fn)} (not started)" for fn in self._callbacks]
+            return late
 
     def _finish_callbacks(self, timeout: float) -> None:
         """Run the callbacks due, and wait (bounded) for any another thread is running now."""
         self._run_callbacks()
-        if not self._idle.wait(timeout):
-            log.warning("a done callback of the save of step %s still runs after %.0fs", self.step, timeout)
+        late = self._wait_callbacks(time.monotonic() + timeout)
+        if late:
+            log.warning("the done callback %s of the save of step %s still runs after %.0fs",
+                        ", ".join(late), self.step, timeout)
 
     def _call(self, fn: Callable[["SaveHandle"], Any]) -> None:
         try:
             fn(self)
         except Exception:
-            log.exception("a done callback of the save of step %s raised", self.step)
+            log.exception("a done callback (%s) of the save of step %s raised", _describe(fn), self.step)
 
     def add_done_callback(self, fn: Callable[["SaveHandle"], Any]) -> None:
         """Call ``fn(handle)`` once the save is committed or failed (at once if it already is).
@@ -159,14 +221,27 @@ class SaveHandle:
         callback raises is logged and ignored. A failed save's error is
         ``handle.exception()`` inside the callback; it is still raised by
         the manager's next call, as for any failed save.
+
+        A callback never runs with the manager's lock held: it may call the
+        manager (``save``, ``load``, ``finalize_pending_saves``), also while
+        ``close()`` waits for it. ``close()`` and the manager's exit handler
+        wait for running callbacks, bounded by their timeout; one still
+        running then is logged as an error (at exit, the interpreter then
+        cuts it off).
         """
+        self._add_callback(fn, run=True)
+
+    def _add_callback(self, fn: Callable[["SaveHandle"], Any], run: bool) -> None:
+        """add_done_callback; ``run`` False: leave a callback due now to the caller, who holds the
+        manager's lock and runs it (``_run_callbacks``) once it released it."""
         with self._lock:
             self._callbacks.append(fn)
             if not self._done.is_set() and self._watcher is None and self._peek is not None:
                 self._watcher = threading.Thread(target=self._watch, name=f"nostall-handle-{self.step}",
                                                  daemon=True)
                 self._watcher.start()
-        self._run_callbacks()
+        if run:
+            self._run_callbacks()
 
     def _watch(self) -> None:
         """Look for the outcome without blocking anyone, until it is known or nobody can learn it."""

@@ -17,7 +17,7 @@ from ._faults import Faults
 from .background import BackgroundWriter
 from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from .format import DEFAULT_BLOCK_SIZE
-from .handles import SaveHandle, SaveStats
+from .handles import SaveHandle, SaveStats, _OnCommit
 from .jobs import Destination
 from .loading import load_state
 from .options import Options
@@ -127,12 +127,16 @@ class CheckpointManager:
             trainer's own "latest" marker, delete old checkpoints, upload,
             notify. Called on every rank (check ``mgr.rank``), in the thread
             that learns the commit: the caller's, inside a synchronous
-            ``save()`` before it returns; for an asynchronous save a
+            ``save()`` before it returns (with the lock released); for an asynchronous save a
             watcher thread of its handle (within about 50 ms of the commit)
             or the caller of ``result()`` / ``done()`` / the next ``save()``
             / ``finalize_pending_saves()``. An exception it raises is logged
             and ignored: the checkpoint is committed regardless. Not called
-            for a failed save.
+            for a failed save. It never runs with the manager's lock held,
+            so it may call the manager (``save``, ``load``,
+            ``finalize_pending_saves``); ``close()`` and the exit handler
+            wait for it (bounded by their timeout; past it, an error is
+            logged naming the step and the callback).
         options: all of the above as one :class:`~nostall.Options` value
             (shared with ``Strategy``); when given, the keyword arguments
             above are ignored.
@@ -199,6 +203,8 @@ class CheckpointManager:
         self._lock = threading.RLock()
         self._closed = False
         self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
+        self._closing = False  # close() has begun: it waits (lock released) for commit callbacks
+        self._handles: List[SaveHandle] = []  # handles whose commit callbacks may be due or running (close waits)
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._claim: Optional[Claim] = None
@@ -397,9 +403,16 @@ class CheckpointManager:
         if self.options.fallback_sync:
             use_async = False
         t_call = time.perf_counter()
+        self._check_open(writing=True)  # at once, before any wait
+        # The previous save is settled first and its commit callbacks run (as before any save), but outside
+        # the lock: a callback may call the manager (a callback running in a watcher thread too, while this waits).
+        self._finalize_then_callbacks(None, flush=False)
         with self._lock:
             self._check_open(writing=True)
+            # A save started meanwhile (by one of those callbacks, or another thread) is settled here; its own
+            # callbacks are left to its handle's watcher thread (never run with the lock held).
             self._finalize(None, flush=False)  # the writer's retention after the last commit runs before this job
+            self._handles = [h for h in self._handles if not h._callbacks_quiet(strict=True)]
             use_overlap = use_async and (self.options.overlap if overlap is None else bool(overlap))
             if training is not None:
                 state = training.state(self.world_size)
@@ -414,18 +427,29 @@ class CheckpointManager:
                 self._stats.append(stats)
                 handle = SaveHandle(step, dest.path)
                 handle._set_result(stats)
-                self._watch_commit(handle)
-                return handle
-            if self._writer is None:
-                self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
-            pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
-                                             stage_now=_key_filter(stage_now), side=files)
-            handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
-                                reported=self._reported, staged=self._saver.staged_stats(pending))
-            self._pending = (pending, handle)
-            self._watch_commit(handle)
-            log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
-            return handle
+                self._watch_commit(handle, run=False)
+                synced: Optional[SaveHandle] = handle
+            else:
+                synced = None
+                handle = self._save_async(step, state, dest, t_call, use_overlap, stage_now, files)
+            self._handles.append(handle)
+        if synced is not None:
+            synced._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
+        return handle
+
+    def _save_async(self, step: Optional[int], state: Any, dest: Destination, t_call: float, use_overlap: bool,
+                    stage_now: Any, files: Optional[Mapping[str, Any]]) -> SaveHandle:
+        """save(), asynchronous: stage and hand the job to the writer (lock held)."""
+        if self._writer is None:
+            self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
+        pending = self._saver.save_async(state, dest, self._writer, t_call, overlap=use_overlap,
+                                         stage_now=_key_filter(stage_now), side=files)
+        handle = SaveHandle(step, pending.job.dest.path, driver=self._drive, peek=self._peek,
+                            reported=self._reported, staged=self._saver.staged_stats(pending))
+        self._pending = (pending, handle)
+        self._watch_commit(handle, run=False)  # due once settled: run by whoever settles it, or its watcher
+        log.debug("rank %d: step %d staged in %.3fs, writing in the background", self.rank, step, pending.stall_s)
+        return handle
 
     def _destination(self, step: Optional[int], path: Any) -> Destination:
         """Where a save goes: ``<root>/step_<N>`` (moving ``latest``, then retention), or the
@@ -443,16 +467,11 @@ class CheckpointManager:
                                   "there; pass a path elsewhere (or a manager with root=None)")
         return Destination(root, name, step, "")
 
-    def _watch_commit(self, handle: SaveHandle) -> None:
-        if self._on_commit is None:
-            return
-        on_commit = self._on_commit
-
-        def committed(h: SaveHandle) -> None:
-            if h.exception(0) is None:
-                on_commit(h)
-
-        handle.add_done_callback(committed)
+    def _watch_commit(self, handle: SaveHandle, run: bool) -> None:
+        """Register ``on_commit`` on a new handle (``run`` False: the caller holds the lock and runs
+        the callbacks due once it released it)."""
+        if self._on_commit is not None:
+            handle._add_callback(_OnCommit(self._on_commit), run)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -561,27 +580,39 @@ class CheckpointManager:
         (``keep_last``: a background writer deletes old checkpoints after it
         reports the commit, so that the trainers learn of it first; a
         handle's ``result()`` waits for it too, the next ``save()`` does not).
+        The callbacks run with the manager's lock released: one may call the
+        manager, this method included. Once ``close()`` has finished waiting
+        for callbacks, it returns at once (nothing is pending then).
         """
-        self._finalize(timeout, flush=True)
+        self._finalize_then_callbacks(timeout, flush=True)
 
-    def _finalize(self, timeout: Optional[float], flush: bool) -> None:
-        handle = None
+    def _finalize(self, timeout: Optional[float], flush: bool, due: Optional[List[SaveHandle]] = None) -> None:
+        """Settle the pending save (bounded), wait for the writer's retention (``flush``), and raise (or
+        log) a failure not yet reported. The settled save's handle goes into ``due``: its commit callbacks
+        are for the caller to run once it holds the lock no more (else its watcher thread runs them)."""
+        with self._lock:
+            if due is not None and self._pending is not None:
+                due.append(self._pending[1])
+            self._settle(timeout)
+            if flush and self._writer is not None:
+                self._writer.flush(self.options.timeout if timeout is None else timeout)
+            if self._unraised is not None:
+                e, self._unraised = self._unraised, None
+                if self.options.errors == "raise":
+                    raise e
+                log.error("%s (errors='log': training goes on)", e)
+
+    def _finalize_then_callbacks(self, timeout: Optional[float], flush: bool) -> None:
+        """``_finalize``, then the commit callbacks of the save it settled, in this thread, with the
+        lock released (a callback may call the manager); one that the handle's watcher runs now is
+        waited for (bounded). Never called with the lock held."""
+        due: List[SaveHandle] = []
         try:
-            with self._lock:
-                handle = self._pending[1] if self._pending is not None else None
-                self._settle(timeout)
-                if flush and self._writer is not None:
-                    self._writer.flush(self.options.timeout if timeout is None else timeout)
-                if self._unraised is not None:
-                    e, self._unraised = self._unraised, None
-                    if self.options.errors == "raise":
-                        raise e
-                    log.error("%s (errors='log': training goes on)", e)
+            self._finalize(timeout, flush, due)
         finally:
-            if handle is not None and handle.done():
-                # here rather than later in the handle's watcher thread, outside the lock (a callback may
-                # call the manager); one the watcher is running now is waited for (bounded)
-                handle._finish_callbacks(self.options.timeout)
+            for handle in due:
+                if handle.done():
+                    handle._finish_callbacks(self.options.timeout)
 
     def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
@@ -610,9 +641,11 @@ class CheckpointManager:
         Finalizes pending saves first.
         """
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load", strict)
+        self._check_open()  # at once, before any wait
+        self.finalize_pending_saves()  # with the lock released: its callbacks may call the manager
         with self._lock:
             self._check_open()
-            self.finalize_pending_saves()
+            self._finalize(None, flush=True)  # one another thread (or a callback) started meanwhile
             if path is not None:
                 found, name, _ = resolve(os.fspath(path), step, storage_options=self.options.storage_options)
                 path = found.path(name)
@@ -635,25 +668,71 @@ class CheckpointManager:
                               timeout=self.options.timeout)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Finalize pending saves, stop the writer and release resources. Idempotent.
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Finalize pending saves, wait for commit callbacks, stop the writer and release resources. Idempotent.
 
         Raises the error of a failed pending save (after releasing everything).
         A pending save that a finalize already waited the full bound for
         (its outcome never came: the committing rank's host died, say) is
         not waited for again, and its writer is stopped at once.
+
+        Commit callbacks (``on_commit``, ``SaveHandle.add_done_callback``)
+        still running, in a handle's watcher thread or elsewhere, are waited
+        for, with the manager's lock released: a callback may call the
+        manager meanwhile (``save``, ``load``, ``finalize_pending_saves``),
+        and close() finalizes the saves such calls start, and waits for their
+        callbacks in turn. ``timeout`` (default: the manager's) bounds these
+        waits, from the call; the first finalize is bounded as
+        ``finalize_pending_saves(timeout)`` is. A callback still running then
+        is logged as an error (naming its save's step and itself) and no
+        longer waited for. Once close() stops waiting, every call raises
+        :class:`~nostall.CheckpointError` at once ("is closed"), a late
+        callback's included. A close() while another runs (from a callback,
+        say) returns at once.
         """
         with self._lock:
-            if self._closed:
+            if self._closed or self._closing:
                 return
-            try:
-                spent = self._pending is not None and self._pending[0] is self._waited_out
-                self.finalize_pending_saves(0.0 if spent else None)
-            finally:
+            self._closing = True
+        deadline = time.monotonic() + (self.options.timeout if timeout is None else timeout)
+        failure: Optional[BaseException] = None
+        first, gave_up = True, False
+        try:
+            while True:
+                with self._lock:
+                    if first:
+                        spent = self._pending is not None and self._pending[0] is self._waited_out
+                        wait = 0.0 if spent else (None if timeout is None else max(0.0, deadline - time.monotonic()))
+                        first = False
+                    else:  # saves the callbacks started
+                        wait = max(0.0, deadline - time.monotonic())
+                    try:
+                        self._finalize(wait, flush=True)
+                    except Exception as e:
+                        failure = failure or e
+                    busy = [h for h in self._handles if not h._callbacks_quiet()]
+                    if gave_up or self._pending is not None or not busy:
+                        self._closed = True  # every call fails at once from here on; released below
+                        break
+                # Outside the lock: a callback may call the manager. Only waits (the handles' watchers run them).
+                late = []
+                for h in busy:
+                    names = h._wait_callbacks(deadline)
+                    if names:
+                        late.append((h, names))
+                for h, names in late:
+                    log.error("rank %d: close(): the commit callback %s of the save of step %s still runs after "
+                              "%.0fs: no longer waited for (the manager is closed under it; at exit it is cut "
+                              "off). Make the callback return sooner, or close with a longer timeout", self.rank,
+                              ", ".join(names), h.step, self.options.timeout if timeout is None else timeout)
+                gave_up = bool(late)
+        finally:
+            with self._lock:
                 self._closed = True
                 self._pending = None
-                for h in self._hooks:
-                    h.remove()
+                self._handles = []
+                for hook in self._hooks:
+                    hook.remove()
                 self._hooks.clear()
                 self._attached = weakref.WeakSet()
                 atexit.unregister(self._at_exit)
@@ -671,6 +750,8 @@ class CheckpointManager:
                 if self._claim is not None:
                     self._claim.release()
                 self._comm.close()
+        if failure is not None:
+            raise failure
 
     def _close_at_exit(self) -> None:
         try:
