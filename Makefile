@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 demo: venv
-	$(VPY) -m nostall.reference.demo $(DEMO_ARGS)
+	$(VPY) -m nostall.tools.reference.demo $(DEMO_ARGS)
 
 test: venv
 	$(VPY) -m ruff check src

@@ -8,7 +8,7 @@ checks the state it loads, and then saves a few steps, asynchronously or
 synchronously. During that, one participant is killed with SIGKILL:
 
 * ``point``: a trainer or writer process kills itself at an exact phase of a
-  save (``NOSTALL_TEST_CRASH``, see ``nostall/_faults.py``);
+  save (``NOSTALL_TEST_CRASH``, see ``nostall/core/faults.py``);
 * ``kill``: the harness kills a trainer, a writer, or the whole job after a
   random delay.
 
@@ -117,7 +117,7 @@ class Dest:
         return "://" in self.root
 
     def _open(self) -> Any:
-        from nostall.roots import open_root
+        from nostall.storage.locate import open_root
 
         return open_root(self.root, storage_options=self.storage_options, timeout=self.timeout)
 
@@ -128,7 +128,7 @@ class Dest:
         return self._open().steps()
 
     def step_path(self, step: int) -> str:
-        from nostall.roots import step_name
+        from nostall.storage.root import step_name
 
         return self._open().path(step_name(step))
 
@@ -486,9 +486,9 @@ def _read_stored(dest: Dest, rel: str) -> bytes:
 def _check_root(dest: Dest, trial: Trial, out_dir: Optional[str] = None) -> None:
     import torch
 
-    from nostall.format import Manifest
-    from nostall.loading import check_checkpoint
-    from nostall.roots import step_name
+    from nostall.core.format import Manifest
+    from nostall.loading.reader import check_checkpoint
+    from nostall.storage.root import step_name
 
     so = dest.storage_options
     root = dest._open()
@@ -563,8 +563,8 @@ def _unreferenced_leftovers(dest: Dest) -> List[str]:
     """Incremental mode, after an uncrashed job: what under ``step_*`` no committed checkpoint needs --
     a file that is neither its own checkpoint's nor read by a committed one, a retired manifest none of
     whose files is read."""
-    from nostall.format import Manifest
-    from nostall.roots import step_name
+    from nostall.core.format import Manifest
+    from nostall.storage.root import step_name
 
     root = dest._open()
     files, empty = _stored(dest)
@@ -599,7 +599,7 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
     if dest is not None and dest.steps_per_job < 3:
         raise ValueError("retain.moved needs 3 saves per job (keep_last=2)")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "nostall.manager", "nostall.loading", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "nostall.manager", "nostall.loading.reader", __name__])
     t_all = time.monotonic()
     trials: List[Trial] = []
     with tempfile.TemporaryDirectory(prefix="nostall-crash-") as tmp:

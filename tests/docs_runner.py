@@ -15,7 +15,7 @@ any Markdown renderer; the rest is read here):
                          the python blocks, in the same working directory, so they see
                          the checkpoints those made. Every command line must be one.
                          A plain one calls the console script's entry point
-                         (nostall.cli:main) in the file's process; one with shell
+                         (nostall.tools.cli:main) in the file's process; one with shell
                          syntax runs in bash. A nonzero exit fails the block.
     ```text              an output sample, a directory tree, a schema: not code.
     ```LANG norun: why   not run, for the reason given (a reason is required).
@@ -265,7 +265,7 @@ _SHELL_OPS = {"|", "||", "&&", ";", "&", ">", ">>", "<", "2>&1"}
 
 def _run_sh(block: Block, workdir: str) -> None:
     """Each command of the block, in order. A plain ``nostall ARGS`` line calls the console script's
-    entry point (``nostall.cli:main``) in this process, which has torch imported already; a line
+    entry point (``nostall.tools.cli:main``) in this process, which has torch imported already; a line
     with shell syntax (pipes, redirections) goes through bash with this venv's ``nostall``."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
@@ -273,7 +273,7 @@ def _run_sh(block: Block, workdir: str) -> None:
         print(f"$ {command}", flush=True)
         argv = shlex.split(command, comments=True)
         if not _SHELL_OPS.intersection(argv) and not any("$" in a or "*" in a for a in argv):
-            from nostall.cli import main
+            from nostall.tools.cli import main
 
             try:
                 rc = main(argv[1:])

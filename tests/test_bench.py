@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from nostall import bench
+from nostall.tools.bench import compare as bench
 
 
 def test_bench_smoke(tmp_path):

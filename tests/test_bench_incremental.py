@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from nostall import bench_incremental as bi
+from nostall.tools.bench import incremental as bi
 
 
 def _finite(x: float) -> bool:

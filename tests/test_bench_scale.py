@@ -6,8 +6,8 @@ import hashlib
 import json
 import math
 
-from nostall import bench_scale
-from nostall.planning import build_plan
+from nostall.tools.bench import scale as bench_scale
+from nostall.planning.plan import build_plan
 
 
 def _finite(xs):

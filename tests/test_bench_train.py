@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 
-from nostall import bench_train
+from nostall.tools.bench import train as bench_train
 
 
 def _finite(x: float) -> bool:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import nostall
-from nostall import cli
-from nostall.cli import main as cli_main
+from nostall.tools import cli
+from nostall.tools.cli import main as cli_main
 
 
 def _nostall(*args: str, env=None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -55,7 +55,7 @@ def test_inspect_verify_ls_take_a_run_roots_latest_file(tmp_path, capsys):
 
 def test_the_demos_hint_names_commands_that_work(tmp_path, capsys):
     """The demo ends with `try: nostall ls CKPTS; nostall inspect CKPTS` (CKPTS: its run root)."""
-    import nostall.reference.demo as demo
+    import nostall.tools.reference.demo as demo
 
     with open(demo.__file__) as f:
         hints = [line for line in f if "try: nostall" in line]

@@ -313,7 +313,7 @@ def test_final_checkpoint_is_complete_at_exit(tmp_path, how):
     assert p.returncode == (143 if how == "sigterm" else 0), err
     mgr = nostall.CheckpointManager(root)
     assert mgr.latest_step() == 7
-    from nostall.cli import main as cli_main
+    from nostall.tools.cli import main as cli_main
 
     assert cli_main(["verify", str(root)]) == 0
     t = {"w": torch.zeros(100000), "step": 0}

@@ -81,7 +81,7 @@ def test_bad_inputs_raise_on_every_rank_and_commit_nothing(tmp_path):
 
 def _write_fails_on_rank1(rank, world, root):
     import nostall
-    from nostall import storage
+    from nostall.storage import files as storage
 
     real = storage.FileWriter.write
     with nostall.CheckpointManager(root) as mgr:

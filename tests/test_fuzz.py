@@ -23,7 +23,7 @@ from hypothesis import strategies as st  # noqa: E402
 import torch  # noqa: E402
 
 import nostall  # noqa: E402
-from nostall.format import Manifest, parse_file_header  # noqa: E402
+from nostall.core.format import Manifest, parse_file_header  # noqa: E402
 
 N = int(os.environ.get("NOSTALL_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(max_examples=N, deadline=None, derandomize=True,

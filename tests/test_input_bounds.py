@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import nostall
-from nostall.format import MAX_SIDE_FILE_BYTES
+from nostall.core.format import MAX_SIDE_FILE_BYTES
 
 
 def _model() -> torch.nn.Module:
@@ -48,7 +48,7 @@ def _only_step_1(root: pathlib.Path, model: torch.nn.Module) -> None:
 @pytest.mark.parametrize("async_save", [False, True])
 def test_side_files_over_the_total_bound_are_refused_before_anything_is_read(tmp_path, async_save):
     """Each file is under the per-file cap, their sum is over the total bound: refused, naming the keys."""
-    from nostall.side_files import MAX_SIDE_FILES_TOTAL_BYTES
+    from nostall.saving.side_files import MAX_SIDE_FILES_TOTAL_BYTES
 
     per = 48 << 20
     assert per <= MAX_SIDE_FILE_BYTES
@@ -73,7 +73,7 @@ def test_side_files_over_the_total_bound_are_refused_before_anything_is_read(tmp
 
 def test_side_files_at_the_total_bound_are_saved(tmp_path):
     """Up to the bound is fine (sparse files: no disk space, zeros read back)."""
-    from nostall.side_files import MAX_SIDE_FILES_TOTAL_BYTES
+    from nostall.saving.side_files import MAX_SIDE_FILES_TOTAL_BYTES
 
     m = _model()
     a = _sparse(tmp_path / "a.bin", MAX_SIDE_FILE_BYTES)
@@ -114,7 +114,7 @@ def test_a_missing_side_file_path_is_refused_naming_its_key(tmp_path):
 
 @pytest.mark.parametrize("kind", ["list", "dict"])
 def test_a_driver_value_nested_too_deep_is_refused_naming_the_key(tmp_path, kind):
-    from nostall.model import MAX_DEPTH
+    from nostall.core.model import MAX_DEPTH
 
     deep: object = 0
     for _ in range(100_000):
@@ -132,7 +132,7 @@ def test_a_driver_value_nested_too_deep_is_refused_naming_the_key(tmp_path, kind
 
 
 def test_a_value_at_the_depth_limit_round_trips(tmp_path):
-    from nostall.model import MAX_DEPTH
+    from nostall.core.model import MAX_DEPTH
 
     deep: object = 7
     for _ in range(MAX_DEPTH - 1):  # "driver" is the first level

@@ -283,7 +283,7 @@ def _torch_dist_job(rank, world, root):
     from megatron.core import dist_checkpointing as megatron_dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from nostall.cli import main as cli_main
+    from nostall.tools.cli import main as cli_main
     from nostall.interop import megatron as dist_checkpointing
 
     checked = {}

@@ -39,8 +39,8 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
-from nostall.roots import PosixRoot
-from nostall.loading import check_checkpoint
+from nostall.storage.posix import PosixRoot
+from nostall.loading.reader import check_checkpoint
 from tests.netns_hosts import Host, HostNet
 
 HOSTKILL_TRIALS = int(os.environ.get("NOSTALL_HOSTKILL_TRIALS", "2"))
@@ -80,7 +80,7 @@ class Job:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(self.hosts)),
                    "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                    "--rdzv-id", name, "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", h.addr,
-                   "--max-restarts", "0", "-m", "nostall.reference.train", *args]
+                   "--max-restarts", "0", "-m", "nostall.tools.reference.train", *args]
             with open(log, "w") as f:
                 self.procs.append(h.popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                           env=h.env({"PYTHONUNBUFFERED": "1", **(env or {})})))
@@ -277,7 +277,7 @@ def _requests(log: str) -> List[tuple]:
 def test_object_storage_two_hosts_save_stop_resume_on_same_and_one_host_layout(tmp_path, capsys, monkeypatch):
     pytest.importorskip("s3fs", reason="object-storage tests need s3fs (pip install 'nostall[s3]')")
     pytest.importorskip("moto", reason="object-storage tests need moto[server]")
-    from nostall.roots import open_root
+    from nostall.storage.locate import open_root
 
     t0 = time.monotonic()
     with HostNet(2, str(tmp_path)) as net:

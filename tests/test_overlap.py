@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nostall
-from nostall.staging import _copy_elements, cut_chunks
+from nostall.saving.area import _copy_elements, cut_chunks
 
 BLOCK = 64 << 10
 
@@ -235,7 +235,7 @@ def test_a_budget_too_small_for_a_header_is_a_clear_error(tmp_path):
 
 
 def test_chunks_cover_every_byte_once_in_order_on_block_boundaries():
-    from nostall.planning import FilePlan, WriteItem
+    from nostall.planning.plan import FilePlan, WriteItem
 
     rng = random.Random(5)
     for _ in range(300):

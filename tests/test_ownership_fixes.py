@@ -129,7 +129,7 @@ def test_a_live_saves_staging_is_never_swept(tmp_path):
     out = tmp_path / "out"
     code = textwrap.dedent("""
         import sys, time, torch, nostall
-        from nostall._faults import Faults
+        from nostall.core.faults import Faults
         state = {"w": torch.ones(16)}
         mgr = nostall.CheckpointManager(None, async_save=True)
         mgr._faults.writer_delay_s = 1e9  # the writer never gets to write: the save stays in flight

@@ -33,7 +33,7 @@ def ray_local(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trainers(ray_local):
-    from nostall.reference.ray_train import TrainerWorker
+    from nostall.tools.reference.ray_train import TrainerWorker
 
     d = WorkerDispatch.start(TrainerWorker, 2, num_cpus=1, master_addr="127.0.0.1", timeout=120)
     try:
@@ -46,7 +46,7 @@ def trainers(ray_local):
 
 @pytest.mark.parametrize("loop", ["sft", "sync_rl", "async_rl"])
 def test_ray_exact_resume(trainers, tmp_path, loop):
-    from nostall.reference.ray_train import run
+    from nostall.tools.reference.ray_train import run
 
     full = run(trainers, _cfg(loop=loop, tp=2, ckpt_dir=str(tmp_path / "a"), async_save=True))
     run(trainers, _cfg(loop=loop, tp=2, ckpt_dir=str(tmp_path / "b"), async_save=True, stop_after=N + 1))
@@ -229,7 +229,7 @@ def test_stack_strategy_class_under_ray_preempted_and_resumed_from_its_marker(ra
 
     import torch
 
-    from nostall.cli import main as cli_main
+    from nostall.tools.cli import main as cli_main
 
     run, batch, steps, save_every = str(tmp_path / "run"), 8, 6, 2
     os.makedirs(run)

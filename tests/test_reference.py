@@ -16,8 +16,8 @@ N = 4  # steps before the interruption; runs are 2N steps
 
 
 def _cfg(**kw):
-    from nostall.reference.model import GPTConfig
-    from nostall.reference.trainer import TrainConfig
+    from nostall.tools.reference.model import GPTConfig
+    from nostall.tools.reference.trainer import TrainConfig
 
     base = dict(steps=2 * N, ckpt_interval=2, keep_last=2, global_batch=8, prompt_len=4, gen_len=4,
                 model=GPTConfig(seq_len=16, d_model=32, n_head=4, n_layer=2), timeout=60.0)
@@ -28,7 +28,7 @@ def _cfg(**kw):
 def _train(rank, world_size, kw):
     import torch
 
-    from nostall.reference.train import train
+    from nostall.tools.reference.train import train
 
     torch.set_num_threads(1)
     return train(_cfg(**kw)).as_dict()
@@ -39,7 +39,7 @@ def _resume_roundtrip(pool, tmp_path, loop, tp, async_save):
     first = pool.run(_train, dict(loop=loop, tp=tp, ckpt_dir=str(tmp_path / "b"), async_save=async_save,
                                   stop_after=N + 1))
     # the trainer's marker names the last committed step (N), not the step the run stopped at
-    from nostall.reference.trainer import read_marker
+    from nostall.tools.reference.trainer import read_marker
 
     marker = read_marker(str(tmp_path / "b"))  # written by rank 0 before its run() returned
     assert marker["step"] == N and marker["loop"] == loop
@@ -71,7 +71,7 @@ def test_exact_resume_tp2(pool2, tmp_path, loop):
     assert saves == [2, 4, 6, 8] and all(s["async"] for s in full[0]["saves"])
     # keep_last=2: only the two newest checkpoints remain, and the trainer's marker
     assert sorted(os.listdir(tmp_path / "a")) == [".tmp", "latest", "step_6", "step_8", "trainer_marker.json"]
-    from nostall.reference.trainer import read_marker
+    from nostall.tools.reference.trainer import read_marker
 
     assert read_marker(str(tmp_path / "a"))["step"] == 2 * N  # moved by the last save's commit callback
 
@@ -85,8 +85,8 @@ def _resume_state(rank, world_size, kw):
     """Load a checkpoint into a fresh trainer; return the full (TP-gathered) model and Adam state."""
     import torch
 
-    from nostall.reference.parallel import gather_full_state
-    from nostall.reference.trainer import Trainer
+    from nostall.tools.reference.parallel import gather_full_state
+    from nostall.tools.reference.trainer import Trainer
 
     torch.set_num_threads(1)
     t = Trainer(_cfg(**kw))
@@ -134,7 +134,7 @@ def test_tp2_checkpoint_resumes_on_tp1(pool2, tmp_path):
 def _late_manual_save(rank, world_size, root):
     import torch
 
-    from nostall.reference.trainer import Trainer
+    from nostall.tools.reference.trainer import Trainer
 
     torch.set_num_threads(1)
     # no periodic saves; one save issued late (as a callback would), still in flight when training ends
@@ -165,7 +165,7 @@ def _marker_around_a_failed_save(rank, world_size, root, async_save):
     import torch
 
     from nostall.errors import CheckpointSaveError
-    from nostall.reference.trainer import Trainer, read_marker
+    from nostall.tools.reference.trainer import Trainer, read_marker
 
     torch.set_num_threads(1)
     t = Trainer(_cfg(loop="sft", tp=2, ckpt_dir=root, ckpt_interval=0, async_save=async_save))
@@ -204,7 +204,7 @@ def test_trainer_marker_moves_only_when_a_save_commits(pool2, tmp_path, async_sa
 
 def test_trainer_marker_on_object_storage(s3, tmp_path):
     """The marker of a ckpt_dir on s3:// is one object, replaced by one PUT."""
-    from nostall.reference.trainer import read_marker, write_marker
+    from nostall.tools.reference.trainer import read_marker, write_marker
 
     root = f"s3://{s3.make_bucket('marker')}/run"
     assert read_marker(root, s3.storage_options) is None

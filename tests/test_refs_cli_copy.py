@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import nostall
-from nostall.cli import main as cli_main
-from nostall.copying import copy_checkpoint
-from nostall.format import MANIFEST_NAME
-from nostall.loading import check_checkpoint, read_manifest
+from nostall.tools.cli import main as cli_main
+from nostall.interop.copy import copy_checkpoint
+from nostall.core.format import MANIFEST_NAME
+from nostall.loading.reader import check_checkpoint, read_manifest
 
 FROZEN = torch.randn(64, 64, generator=torch.Generator().manual_seed(24))  # 16 KiB, never changes
 

@@ -84,8 +84,8 @@ def test_replicas_are_checked_on_first_save_plan_change_and_always_when_asked(po
     assert out[0][0] == 2 and out[0][4] == 2
 
 
-@pytest.mark.parametrize("module", ["nostall.replicas", "nostall.options", "nostall.training", "nostall.commit",
-                                    "nostall.side_files", "nostall.format"])
+@pytest.mark.parametrize("module", ["nostall.planning.replicas", "nostall.options", "nostall.training",
+                                    "nostall.saving.commit", "nostall.saving.side_files", "nostall.core.format"])
 def test_docstring_examples_run(module):
     failed, attempted = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert attempted > 0 and failed == 0

@@ -34,7 +34,7 @@ def uploaded(s3, tmp_path_factory):
 
 
 def test_load_from_s3_reads_only_the_needed_ranges(s3, uploaded, monkeypatch):
-    from nostall import remote
+    from nostall.storage import remote
 
     fetched = []
     real = remote.RemoteFiles.read
@@ -63,7 +63,7 @@ def test_s3_corruption_is_detected(s3, uploaded, tmp_path):
     try:
         with pytest.raises(nostall.CheckpointCorruptError, match="checksum mismatch"):
             nostall.load({"w": torch.zeros(256, 256)}, uploaded, storage_options=s3.storage_options)
-        from nostall.loading import check_checkpoint
+        from nostall.loading.reader import check_checkpoint
 
         report = check_checkpoint(uploaded, s3.storage_options)
         assert len(report.problems) == 1 and "s3://ckpts/run/step_7/rank0.safetensors" in report.problems[0]
@@ -98,7 +98,7 @@ def test_two_ranks_load_their_shards_from_s3(pool2, s3, uploaded):
 def test_cli_inspect_and_verify_an_s3_checkpoint(s3, uploaded, capsys):
     import json
 
-    from nostall.cli import main as cli_main
+    from nostall.tools.cli import main as cli_main
 
     so = json.dumps(s3.storage_options)
     assert cli_main(["verify", uploaded, "--storage-options", so]) == 0

@@ -369,10 +369,10 @@ def test_transient_upload_failure_is_retried_and_a_lasting_one_fails_cleanly(s3,
 
 def test_large_file_goes_up_in_parallel_multipart_parts_with_progress(s3, tmp_path, monkeypatch, caplog):
     """A data file over two parts is uploaded multipart (S3's ETag says how many parts), logged, and loads."""
-    from nostall import roots
+    from nostall.storage import objects
 
-    monkeypatch.setattr(roots, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
-    monkeypatch.setattr(roots, "PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(objects, "UPLOAD_PART_BYTES", 5 << 20)  # S3's smallest part
+    monkeypatch.setattr(objects, "PROGRESS_EVERY_S", 0.0)
     bucket = s3.make_bucket("multipart")
     root = f"s3://{bucket}/run"
     w = torch.randn(3 << 20)  # 12 MiB: three parts

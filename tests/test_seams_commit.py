@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import nostall
-from nostall import cli
+from nostall.tools import cli
 
 
 def _state(v: float) -> dict:
@@ -69,7 +69,7 @@ def test_a_symlinked_step_or_latest_is_refused_by_name(tmp_path, entry):
     with pytest.raises(nostall.CheckpointError, match=f"{entry} is a symbolic link"):
         reader.load(_tmpl())
     reader.close()
-    assert subprocess.run([sys.executable, "-m", "nostall.cli", "verify", str(root)],
+    assert subprocess.run([sys.executable, "-m", "nostall.tools.cli", "verify", str(root)],
                           capture_output=True).returncode != 0
 
 
@@ -189,7 +189,8 @@ def test_sigterm_handler_is_removed_by_close(tmp_path):
 
 
 def test_the_writer_side_never_imports_torch():
-    code = ("import sys; import nostall.writer, nostall.commit, nostall.roots, nostall.jobs, nostall.options; "
+    code = ("import sys; import nostall.saving.writer, nostall.saving.commit, nostall.storage.root, nostall.storage.posix, "
+            "nostall.storage.objects, nostall.storage.locate, nostall.core.jobs, nostall.options; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 import nostall
-from nostall import _boxes, format as fmt, loading, storage
-from nostall.cli import main as cli_main
+from nostall.core import boxes as _boxes, format as fmt
+from nostall.loading import reader as loading
+from nostall.storage import files as storage
+from nostall.tools.cli import main as cli_main
 
 
 def small_state() -> Dict[str, Any]:
@@ -84,7 +86,7 @@ def returns_without_hanging(fn: Callable[[], Any], fifo: Path, limit: float = 60
 
 def run_cli(*args: str, timeout: float = 180.0) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([sys.executable, "-m", "nostall.cli", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "nostall.tools.cli", *args], capture_output=True, text=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail(f"nostall {' '.join(args)} did not finish in {timeout:.0f} s (blocked?)")
@@ -219,7 +221,7 @@ def test_remote_read_small_reads_at_most_limit_plus_one(monkeypatch) -> None:
     fsspec = pytest.importorskip("fsspec")
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from nostall import remote
+    from nostall.storage import remote
 
     fs = fsspec.filesystem("memory")
     fs.pipe_file("/seams/latest", b"9" * 10000)
@@ -248,7 +250,7 @@ def test_remote_read_small_reads_at_most_limit_plus_one(monkeypatch) -> None:
 _HWM_SCRIPT = r"""
 import json, sys
 import nostall
-from nostall.loading import read_manifest
+from nostall.loading.reader import read_manifest
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -489,7 +491,7 @@ def test_manifest_with_100k_pieces_of_one_tensor_parses(layout: str) -> None:
 
 
 def test_save_plan_checks_tiling_without_quadratic_work(monkeypatch) -> None:
-    from nostall.planning import RankMeta, TensorMeta, build_plan
+    from nostall.planning.plan import RankMeta, TensorMeta, build_plan
 
     calls = [0]
     real = _boxes.overlap

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import nostall
-from nostall import storage
-from nostall.cli import main as cli_main
+from nostall.storage import files as storage
+from nostall.tools.cli import main as cli_main
 from nostall.errors import CheckpointCorruptError, CheckpointSaveError, InvalidStateError
 from nostall.interop.export import export
-from nostall.loading import check_checkpoint, read_manifest
+from nostall.loading.reader import check_checkpoint, read_manifest
 
 CONFIG = {"model_type": "toy", "hidden": 8, "names": ["a", "b"]}
 CONFIG_BYTES = (json.dumps(CONFIG, indent=2, sort_keys=True) + "\n").encode()
@@ -414,7 +414,7 @@ def test_a_failed_resave_on_object_storage_leaves_the_committed_side_files(s3, t
 
 
 def test_a_name_given_twice_is_refused_and_hidden_entries_are_left_out(tmp_path):
-    from nostall.side_files import collect
+    from nostall.saving.side_files import collect
 
     d = tmp_path / "hf"
     d.mkdir()

@@ -124,8 +124,8 @@ def test_fresh_optimizer_template_gets_a_helpful_error(tmp_path):
 
 
 def test_commit_refuses_missing_or_short_data_files(tmp_path):
-    from nostall.jobs import Destination
-    from nostall.roots import PosixRoot
+    from nostall.core.jobs import Destination
+    from nostall.storage.posix import PosixRoot
 
     root = PosixRoot(str(tmp_path))
     root.claim().release()
@@ -170,7 +170,7 @@ def test_latest_step_prefers_a_valid_pointer(tmp_path):
 
 
 def test_a_slice_reads_only_the_blocks_it_needs(tmp_path, monkeypatch):
-    from nostall import storage
+    from nostall.storage import files as storage
 
     full = torch.arange(4 * 1024 * 1024, dtype=torch.float32).reshape(1024, 4096)  # 16 MiB
     nostall.save({"w": full}, tmp_path / "c", block_size=64 * 1024)

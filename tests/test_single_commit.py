@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nostall
-import nostall.storage
+import nostall.storage.files
 
 
 def state_for(step: int) -> dict:
@@ -263,7 +263,7 @@ def test_manager_root_that_is_a_file_is_refused(tmp_path: Path) -> None:
 
 
 def _enospc_on_data_files(monkeypatch: pytest.MonkeyPatch) -> list:
-    real = nostall.storage.FileWriter.write
+    real = nostall.storage.files.FileWriter.write
     calls: list = []
 
     def failing(self, chunk):
@@ -274,7 +274,7 @@ def _enospc_on_data_files(monkeypatch: pytest.MonkeyPatch) -> list:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, chunk)
 
-    monkeypatch.setattr(nostall.storage.FileWriter, "write", failing)
+    monkeypatch.setattr(nostall.storage.files.FileWriter, "write", failing)
     return calls
 
 
@@ -320,14 +320,14 @@ def test_enospc_in_one_shot_save_keeps_previous(tmp_path: Path, monkeypatch: pyt
 def test_failing_manifest_write_commits_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mgr = nostall.CheckpointManager(tmp_path)
     mgr.save(1, state_for(1))
-    real = nostall.storage.write_file
+    real = nostall.storage.files.write_file
 
     def failing(path, chunks):
         if os.path.basename(str(path)) == "manifest.json":
             raise OSError(errno.EIO, "Input/output error")
         return real(path, chunks)
 
-    monkeypatch.setattr(nostall.storage, "write_file", failing)
+    monkeypatch.setattr(nostall.storage.files, "write_file", failing)
     with pytest.raises(nostall.CheckpointSaveError, match="(?i)input/output"):
         mgr.save(2, state_for(2))
     monkeypatch.undo()

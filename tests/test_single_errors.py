@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nostall
-from nostall.cli import main as cli_main
+from nostall.tools.cli import main as cli_main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -715,7 +715,7 @@ def test_symlinked_manifest_is_refused(ckpt: Path, tmp_path: Path) -> None:
 
 def test_huge_declared_header_is_refused_before_reading(ckpt: Path, monkeypatch) -> None:
     """A header length of 2**40 bytes is rejected without allocating it."""
-    from nostall import storage
+    from nostall.storage import files as storage
 
     f = ckpt / "rank0.safetensors"
     raw = bytearray(f.read_bytes())
@@ -724,14 +724,14 @@ def test_huge_declared_header_is_refused_before_reading(ckpt: Path, monkeypatch)
     asked = []
     real = storage.read_exact
     monkeypatch.setattr(storage, "read_exact", lambda fd, off, n, p, into=None: asked.append(n) or real(fd, off, n, p, into))
-    report = __import__("nostall.loading", fromlist=["x"]).check_checkpoint(str(ckpt))
+    report = __import__("nostall.loading.reader", fromlist=["x"]).check_checkpoint(str(ckpt))
     assert any("header length" in p for p in report.problems)
     assert max(asked) < 1 << 21
 
 
 def test_huge_manifest_is_refused_before_reading(ckpt: Path, monkeypatch) -> None:
-    from nostall import format as fmt
-    from nostall import loading
+    from nostall.core import format as fmt
+    from nostall.loading import reader as loading
 
     monkeypatch.setattr(loading, "MAX_MANIFEST_BYTES", 100)
     assert (ckpt / "manifest.json").stat().st_size > 100

@@ -384,7 +384,7 @@ def test_data_file_with_key_named_dunder_metadata(tmp_path: Path) -> None:
     safetensors file that ``nostall verify`` accepts and that loads back.
     """
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from nostall.cli import main
+    from nostall.tools.cli import main
 
     state = {"__metadata__": torch.arange(4.0), "w": torch.ones(3)}
     path = tmp_path / "c"

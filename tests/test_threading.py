@@ -77,7 +77,7 @@ def test_demo_main_job_smoke(tmp_path):
     out = tmp_path / "demo"
     png = tmp_path / "demo.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "nostall.reference.demo", "--dir", str(out), "--steps", "9", "--stop", "5",
+        [sys.executable, "-m", "nostall.tools.reference.demo", "--dir", str(out), "--steps", "9", "--stop", "5",
          "--interval", "3", "--d-model", "32", "--layers", "1", "--heads", "4", "--seq-len", "16",
          "--plot", str(png)],
         capture_output=True, text=True, timeout=240,

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 import nostall
-from nostall import loading
+from nostall.loading import reader as loading
 from nostall.errors import CheckpointCorruptError
 from nostall.interop.export import export
-from nostall.loading import check_checkpoint
-from nostall.model import flatten
+from nostall.loading.reader import check_checkpoint
+from nostall.core.model import flatten
 
 VOCAB, DIM = 96, 24
 EMB_BYTES = VOCAB * DIM * 4
@@ -170,7 +170,7 @@ def test_manifest_names_the_key_a_tied_key_is_saved_as(tmp_path):
     assert t["head.weight"].get("tied_to") == "emb.weight"
     assert "tied_to" not in t["emb.weight"] and "tied_to" not in t["mid.weight"]
     # nostall inspect shows the tie and counts the bytes once
-    from nostall.cli import main
+    from nostall.tools.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -190,7 +190,7 @@ def test_manifest_names_the_key_a_tied_key_is_saved_as(tmp_path):
 
 
 def test_tied_to_field_parsed_and_validated(tmp_path):
-    from nostall.loading import read_manifest
+    from nostall.loading.reader import read_manifest
 
     model = TiedNet(seed=5)
     path = str(tmp_path / "ck")

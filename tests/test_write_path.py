@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import nostall
-from nostall import storage
-from nostall._tensorbuf import byte_view
-from nostall.datafiles import Checksums
-from nostall.format import block_crcs
-from nostall.loading import check_checkpoint
+from nostall.storage import files as storage
+from nostall.core.tensorbuf import byte_view
+from nostall.saving.datafiles import Checksums
+from nostall.core.format import block_crcs
+from nostall.loading.reader import check_checkpoint
 from nostall.options import Options
 
 

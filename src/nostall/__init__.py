@@ -10,7 +10,7 @@ Public API::
     mgr.save(step, state); restored = mgr.load(state)
     nostall.save(state, path); nostall.load(state, path)
 
-Names are imported lazily, so that ``import nostall.writer`` (the background
+Names are imported lazily, so that ``import nostall.saving.writer`` (the background
 writer process) does not import torch.
 """
 
@@ -20,7 +20,7 @@ import importlib
 import logging as _logging
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from nostall.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointLoadError,
@@ -31,25 +31,25 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .api import load, save
-    from .copying import copy_checkpoint
-    from .handles import SaveHandle, SaveStats
-    from .manager import CheckpointManager
-    from .model import PerRank, ShardedTensor
-    from .options import Options
-    from .training import LoadedCheckpoint, ParallelLayout
+    from nostall.api import load, save
+    from nostall.interop.copy import copy_checkpoint
+    from nostall.handles import SaveHandle, SaveStats
+    from nostall.manager import CheckpointManager
+    from nostall.core.model import PerRank, ShardedTensor
+    from nostall.options import Options
+    from nostall.training import LoadedCheckpoint, ParallelLayout
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "CheckpointManager": "manager",
-    "ShardedTensor": "model",
-    "PerRank": "model",
+    "ShardedTensor": "core.model",
+    "PerRank": "core.model",
     "SaveHandle": "handles",
     "SaveStats": "handles",
     "save": "api",
     "load": "api",
-    "copy_checkpoint": "copying",
+    "copy_checkpoint": "interop.copy",
     "Options": "options",
     "ParallelLayout": "training",
     "LoadedCheckpoint": "training",

@@ -7,14 +7,14 @@ from typing import Any, Dict, Optional
 
 import torch.distributed as dist
 
-from ._comm import check_launch, make_comm
-from .format import DEFAULT_BLOCK_SIZE
-from .handles import SaveStats
-from .jobs import Destination
-from .loading import load_state
-from .options import Options
-from .roots import resolve, split_checkpoint
-from .saving import Saver
+from nostall.planning.comm import check_launch, make_comm
+from nostall.core.format import DEFAULT_BLOCK_SIZE
+from nostall.handles import SaveStats
+from nostall.core.jobs import Destination
+from nostall.loading.reader import load_state
+from nostall.options import Options
+from nostall.storage.locate import resolve, split_checkpoint
+from nostall.saving.saver import Saver
 
 __all__ = ["save", "load"]
 

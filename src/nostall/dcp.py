@@ -7,6 +7,6 @@ DCP checkpoint into the nostall format. They live in
 ``docs/interop.md``.
 """
 
-from .interop.dcp import Reader, dcp_leaves, fqn_of, import_dcp
+from nostall.interop.dcp import Reader, dcp_leaves, fqn_of, import_dcp
 
 __all__ = ["Reader", "import_dcp", "fqn_of", "dcp_leaves"]

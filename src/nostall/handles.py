@@ -8,7 +8,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional
 
-from .errors import CheckpointError
+from nostall.errors import CheckpointError
 
 log = logging.getLogger("nostall")
 

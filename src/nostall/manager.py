@@ -12,18 +12,19 @@ import time
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
 
-from ._comm import Comm, make_comm
-from ._faults import Faults
-from .background import BackgroundWriter
-from .errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
-from .format import DEFAULT_BLOCK_SIZE
-from .handles import SaveHandle, SaveStats, _OnCommit
-from .jobs import Destination
-from .loading import load_state
-from .options import Options
-from .roots import Claim, Root, open_root, resolve, split_checkpoint, step_name
-from .saving import PendingSave, Saver
-from .training import ParallelLayout, Training, load_training
+from nostall.planning.comm import Comm, make_comm
+from nostall.core.faults import Faults
+from nostall.saving.background import BackgroundWriter
+from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
+from nostall.core.format import DEFAULT_BLOCK_SIZE
+from nostall.handles import SaveHandle, SaveStats, _OnCommit
+from nostall.core.jobs import Destination
+from nostall.loading.reader import load_state
+from nostall.options import Options
+from nostall.storage.root import Claim, Root, step_name
+from nostall.storage.locate import open_root, resolve, split_checkpoint
+from nostall.saving.saver import PendingSave, Saver
+from nostall.training import ParallelLayout, Training, load_training
 
 log = logging.getLogger("nostall")
 
@@ -327,7 +328,7 @@ class CheckpointManager:
             self._check_open(writing=True)
             plan = self._saver.plan(training.state(self.world_size) if training is not None else state)
             if self._writer is not None:
-                from .staging import layout as file_layout
+                from nostall.saving.area import layout as file_layout
 
                 _, size = file_layout(plan.files_of(self.rank))
                 budget = self.options.staging_budget_bytes
@@ -370,7 +371,7 @@ class CheckpointManager:
         as ``driver``.
 
         ``files``: small files committed with the checkpoint, at
-        ``<checkpoint>/<name>`` (rank 0's; see :mod:`nostall.side_files`)::
+        ``<checkpoint>/<name>`` (rank 0's; see :mod:`nostall.saving.side_files`)::
 
             files={"huggingface/config.json": model.config.to_dict(),
                    "huggingface": pathlib.Path(tokenizer_dir)}   # a directory: every file in it

@@ -21,7 +21,7 @@ import mmap
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional
 
-from .format import DEFAULT_BLOCK_SIZE
+from nostall.core.format import DEFAULT_BLOCK_SIZE
 
 __all__ = ["Options", "check_block_size"]
 

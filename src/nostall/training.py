@@ -38,12 +38,12 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointLoadError, InvalidStateError
-from .format import Manifest, TensorRecord
-from ._dtypes import torch_dtype
-from .loading import load_state, read_manifest
-from .model import PerRank, ShardedTensor, escape_component, is_dtensor
-from .saving import RankZeroOnly
+from nostall.errors import CheckpointLoadError, InvalidStateError
+from nostall.core.format import Manifest, TensorRecord
+from nostall.core.dtypes import torch_dtype
+from nostall.loading.reader import load_state, read_manifest
+from nostall.core.model import PerRank, ShardedTensor, escape_component, is_dtensor
+from nostall.saving.saver import RankZeroOnly
 
 log = logging.getLogger("nostall")
 
@@ -251,7 +251,7 @@ class Training:
     # ------------------------------------------------------------------ save
     def state(self, world_size: int) -> Dict[str, Any]:
         """The nostall state of the objects as they are now (``driver`` wrapped in a
-        :class:`~nostall.saving.RankZeroOnly`: only a :class:`~nostall.saving.Saver` saves it)."""
+        :class:`~nostall.saving.saver.RankZeroOnly`: only a :class:`~nostall.saving.saver.Saver` saves it)."""
         out: Dict[str, Any] = {}
         if self.model is not None:
             out["model"] = self.model_leaves()

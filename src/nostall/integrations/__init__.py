@@ -10,8 +10,8 @@
   lifecycle driven over a group of Ray actors (needs the ``ray`` extra).
 """
 
-from .seam import CheckpointingMixin
-from .strategy import (
+from nostall.integrations.seam import CheckpointingMixin
+from nostall.integrations.strategy import (
     LoadedCheckpoint,
     ParallelLayout,
     Strategy,

@@ -26,8 +26,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("nostall.integrations.ray needs Ray: pip install 'nostall[ray]'") from e
 
-from ..errors import CheckpointError
-from .strategy import LoadedCheckpoint, Strategy
+from nostall.errors import CheckpointError
+from nostall.integrations.strategy import LoadedCheckpoint, Strategy
 
 __all__ = ["Worker", "WorkerDispatch"]
 

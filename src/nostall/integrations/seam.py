@@ -38,10 +38,10 @@ import sys
 import tempfile
 from typing import Any, Dict, Optional, Tuple
 
-from ..handles import SaveHandle
-from ..manager import CheckpointManager
-from ..options import Options
-from ..training import ParallelLayout, unwrap
+from nostall.handles import SaveHandle
+from nostall.manager import CheckpointManager
+from nostall.options import Options
+from nostall.training import ParallelLayout, unwrap
 
 log = logging.getLogger("nostall")
 

@@ -35,12 +35,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError
-from ..handles import SaveHandle
-from ..manager import CheckpointManager
-from ..options import Options
-from ..roots import open_root, resolve
-from ..training import LoadedCheckpoint, ParallelLayout, Training, load_training, mark_tensor_parallel
+from nostall.errors import CheckpointError
+from nostall.handles import SaveHandle
+from nostall.manager import CheckpointManager
+from nostall.options import Options
+from nostall.storage.locate import open_root, resolve
+from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training, mark_tensor_parallel
 
 log = logging.getLogger("nostall")
 

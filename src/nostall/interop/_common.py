@@ -20,15 +20,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .._boxes import cover_problem
-from .._tensorbuf import byte_view
-from ..commit import SoloBarrier, run_job
-from ..datafiles import write_files
-from ..jobs import Destination, FileJob, SaveJob
-from ..options import check_block_size
-from ..roots import split_checkpoint
-from ..errors import CheckpointError, CheckpointLoadError, CheckpointSaveError, describe
-from ..format import (
+from nostall.core.boxes import cover_problem
+from nostall.core.tensorbuf import byte_view
+from nostall.saving.commit import SoloBarrier, run_job
+from nostall.saving.datafiles import write_files
+from nostall.core.jobs import Destination, FileJob, SaveJob
+from nostall.options import check_block_size
+from nostall.storage.locate import split_checkpoint
+from nostall.errors import CheckpointError, CheckpointLoadError, CheckpointSaveError, describe
+from nostall.core.format import (
     DEFAULT_BLOCK_SIZE,
     FileEntry,
     FileRecord,
@@ -40,9 +40,9 @@ from ..format import (
     layout_file,
     piece_name,
 )
-from ..loading import _execute, _open_files, _plan_reads, _Read, _Verifier, read_manifest
-from .._dtypes import torch_dtype
-from ..model import escape_component, numel
+from nostall.loading.reader import _execute, _open_files, _plan_reads, _Read, _Verifier, read_manifest
+from nostall.core.dtypes import torch_dtype
+from nostall.core.model import escape_component, numel
 
 log = logging.getLogger("nostall.interop")
 
@@ -208,7 +208,7 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
 
     The data file is laid out from the pieces' metadata first, then each
     piece is produced, checksummed and written in file order, by the save job
-    and commit routine every save runs (:func:`nostall.commit.run_job`), so
+    and commit routine every save runs (:func:`nostall.saving.commit.run_job`), so
     the checkpoint appears only once complete. Pieces with no elements are left out.
     """
     block_size = check_block_size(block_size)

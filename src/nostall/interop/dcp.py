@@ -69,13 +69,13 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .._dtypes import dtype_code, torch_dtype
-from ..errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
-from ..format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from ..loading import _execute, _open_files, _Read, _Verifier, read_manifest
-from ..model import check_json, numel, to_json, walk
-from .. import remote
-from ._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
+from nostall.core.dtypes import dtype_code, torch_dtype
+from nostall.errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
+from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
+from nostall.loading.reader import _execute, _open_files, _Read, _Verifier, read_manifest
+from nostall.core.model import check_json, numel, to_json, walk
+from nostall.storage import remote
+from nostall.interop._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
 
 log = logging.getLogger("nostall.interop")
 
@@ -428,7 +428,7 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ..options import check_block_size
+    from nostall.options import check_block_size
 
     check_block_size(block_size)
     if unsupported_objects not in ("error", "skip"):

@@ -53,13 +53,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .._dtypes import dtype_code, torch_dtype
-from .._tensorbuf import byte_view
-from ..errors import CheckpointLoadError, CheckpointSaveError
-from ..format import FileEntry, SideFileRecord, TensorRecord, layout_file
-from ..loading import read_side_file
-from ..model import numel
-from ._common import Progress, ProgressFn, _Source, split_key
+from nostall.core.dtypes import dtype_code, torch_dtype
+from nostall.core.tensorbuf import byte_view
+from nostall.errors import CheckpointLoadError, CheckpointSaveError
+from nostall.core.format import FileEntry, SideFileRecord, TensorRecord, layout_file
+from nostall.loading.reader import read_side_file
+from nostall.core.model import numel
+from nostall.interop._common import Progress, ProgressFn, _Source, split_key
 
 log = logging.getLogger("nostall.interop")
 

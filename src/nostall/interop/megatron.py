@@ -47,12 +47,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._dtypes import dtype_code
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, InvalidStateError, describe
-from ..manager import CheckpointManager
-from ..model import ShardedTensor as NostallShardedTensor
-from ..model import check_json, escape_component, numel, to_json
-from ._common import _Source, join_components, nest
+from nostall.core.dtypes import dtype_code
+from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, InvalidStateError, describe
+from nostall.manager import CheckpointManager
+from nostall.core.model import ShardedTensor as NostallShardedTensor
+from nostall.core.model import check_json, escape_component, numel, to_json
+from nostall.interop._common import _Source, join_components, nest
 
 log = logging.getLogger("nostall.interop")
 
@@ -349,7 +349,7 @@ def save(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
                                                   content_metadata=content_metadata))
     if async_sharded_save:
         raise ValueError("async_sharded_save: save through a CheckpointManager(async_save=True) instead")
-    from ..api import save as nostall_save
+    from nostall.api import save as nostall_save
 
     state = to_state(sharded_state_dict, process_group=process_group, content_metadata=content_metadata)
     return nostall_save(state, os.fspath(checkpoint_dir), process_group=process_group)
@@ -364,7 +364,7 @@ def _resolve(checkpoint_dir: Any, step: Optional[int]) -> str:
         mgr.finalize_pending_saves()
         s = step if step is not None else mgr.latest_step()
         if s is None:
-            from ..errors import CheckpointNotFoundError
+            from nostall.errors import CheckpointNotFoundError
 
             raise CheckpointNotFoundError(f"no committed checkpoint under {mgr.root}")
         return mgr.path_for(s)
@@ -647,7 +647,7 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
 def load_content_metadata(checkpoint_dir: Any, *, step: Optional[int] = None,
                           storage_options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The ``content_metadata`` given to :func:`save`, or None."""
-    from ..loading import read_manifest
+    from nostall.loading.reader import read_manifest
 
     m = read_manifest(_resolve(checkpoint_dir, step), storage_options)
     meta = m.objects.get(META_KEY)

@@ -1,0 +1,404 @@
+"""Self-contained copies of one checkpoint (``nostall copy SRC DST``).
+
+An incremental checkpoint (``CheckpointManager(root, incremental=True)``) reads
+the pieces that did not change from data files of earlier checkpoints of its
+root (``Manifest.references``): on its own, its directory is not a checkpoint.
+:func:`copy_checkpoint` writes one that is: every piece the checkpoint reads,
+from its own files and from referenced ones, lands in DST's own data files,
+and DST's manifest names only those (no references). It is how a checkpoint
+is handed to someone else or moved between buckets, and it works the same for
+a checkpoint that references nothing (then it is a plain copy).
+
+What is copied: exactly the byte ranges of the pieces, not whole files. A
+referenced file often holds pieces the checkpoint does not read (those that
+changed since it was written), so copying whole files would carry stale
+bytes along and make the copy grow with the chain. The pieces of each rank
+are packed into one plain safetensors file per rank, ``rank<N>.safetensors``
+(``rank<N>.<id>.safetensors`` on object storage or when replacing a
+checkpoint, as saves name them there; header laid out as the planner lays it
+out, entries named as it names them), so DST looks like a full save of the
+same state.
+Each piece keeps its checksums (they are per block from the piece's first
+byte, so moving a piece does not change them); the per-piece content digests
+of incremental saves are dropped, so the copy's manifest is format version 1,
+readable by every nostall. Every block read is checked against its checksum
+before it is written: a damaged source is reported, never copied.
+
+How it is written: as a save is (:func:`nostall.saving.commit.run_job` with a world
+of one), staged beside DST (a directory) or under a local scratch directory
+(object storage) and committed by renaming the staging directory into place
+(a directory) or uploading the manifest last (object storage); a crash leaves
+no half copy that loads. DST must not exist, or be an empty directory, or,
+with ``overwrite=True``, be a nostall checkpoint (replaced atomically); any
+other existing directory, file or symbolic link is refused, and so is a DST
+inside SRC, holding it, or in a checkpoint SRC reads (:func:`_check_apart`),
+before anything is written. Nothing is followed through a symbolic link. The copy never moves a run root's
+``latest``: copied into a run root as ``step_<N>``, it is loaded by asking
+for that step.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from nostall.storage.locate import resolve, split_checkpoint
+from nostall.storage.root import Root
+from nostall.storage import remote
+from nostall.saving.commit import SoloBarrier, run_job
+from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from nostall.core.format import (
+    FileRecord,
+    Manifest,
+    PieceRecord,
+    Placed,
+    RankRecord,
+    SideFileRecord,
+    TensorRecord,
+    crc,
+    data_file_name,
+    layout_entries,
+    piece_name,
+)
+from nostall.core.jobs import Destination, FileJob, SaveJob, Written
+from nostall.loading.reader import _open_files, read_manifest, read_side_file, verify_window
+from nostall.storage.files import FileWriter
+
+__all__ = ["CopyReport", "copy_checkpoint"]
+
+ProgressFn = Callable[[int, int], None]
+"""progress(done_bytes, total_bytes), called as the copy advances."""
+
+_TIMEOUT_S = 7 * 24 * 3600.0  # the job's deadline: a copy is bounded by the storage's own timeouts, not by this
+
+
+@dataclass
+class CopyReport:
+    """What :func:`copy_checkpoint` wrote.
+
+    ``src``: the checkpoint copied (a run root resolved to its latest);
+    ``referenced``: the files of earlier checkpoints of its root that pieces
+    were read from (``<checkpoint>/<file>``, empty for a full checkpoint);
+    ``files``: DST's data files; ``bytes``: tensor bytes copied (each piece
+    once, tied keys counted once); ``own_bytes`` / ``referenced_bytes``: how
+    many of them came from SRC's own files and from earlier checkpoints'.
+    """
+
+    src: str
+    dst: str
+    files: List[str] = field(default_factory=list)
+    bytes: int = 0
+    own_bytes: int = 0
+    referenced_bytes: int = 0
+    referenced: List[str] = field(default_factory=list)
+    side_files: int = 0
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"src": self.src, "dst": self.dst, "files": self.files, "bytes": self.bytes,
+                "own_bytes": self.own_bytes, "referenced_bytes": self.referenced_bytes,
+                "referenced": self.referenced, "side_files": self.side_files}
+
+
+@dataclass
+class _Out:
+    """One piece to copy: where it is in SRC, where it goes in DST."""
+
+    src: PieceRecord
+    dtype: str
+    name: str  # its safetensors entry in DST
+    start: int = 0  # where it lands in DST's file (absolute), once laid out
+    end: int = 0
+
+
+def _place(path: str, *, follow_last: bool) -> str:
+    """Where ``path`` is, for comparing places: an object-storage URL normalized (scheme in lower case, no
+    empty component, no trailing ``/``); a local path absolute, its parents' symbolic links resolved, and
+    the last component's too only with ``follow_last`` (a destination that is a link is refused as one later,
+    and nothing is ever written through it)."""
+    if remote.is_remote(path):
+        scheme, _, rest = str(path).partition("://")
+        return f"{scheme.lower()}://" + "/".join(c for c in rest.split("/") if c)
+    full = os.path.abspath(os.fspath(path))
+    if follow_last:
+        return os.path.realpath(full)
+    return os.path.join(os.path.realpath(os.path.dirname(full)), os.path.basename(full))
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether place ``inner`` is ``outer`` or under it (places as :func:`_place` gives them)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _endpoint(so: Optional[Dict[str, Any]]) -> Any:
+    so = so or {}
+    return (so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
+
+
+def _check_apart(src: str, dst: str, m: Manifest, so: Optional[Dict[str, Any]],
+                 dso: Optional[Dict[str, Any]]) -> None:
+    """Refuse a ``dst`` that is the checkpoint ``src`` (manifest ``m``) or a checkpoint whose files it reads
+    (an incremental one's earlier checkpoints), is inside one of them, or holds one: the copy would be written
+    into what it reads, or replacing ``dst`` would delete it. Real paths are compared (symbolic links of
+    ``dst``'s parents resolved), object-storage URLs normalized; nothing is written before this check."""
+    if remote.is_remote(src) != remote.is_remote(dst):
+        return
+    if remote.is_remote(src) and dso is not so and _endpoint(dso) != _endpoint(so):
+        return  # another endpoint: another store (the same URL there is another object)
+    to = _place(dst, follow_last=False)
+    me = _place(src, follow_last=True)
+    parent = (str(src).rstrip("/").rpartition("/")[0] if remote.is_remote(src)
+              else os.path.dirname(os.path.abspath(src)))  # where the loader finds the references
+    read = [(me, f"the checkpoint being copied ({src})")]
+    for ck in sorted({n.split("/")[0] for n in m.references}):
+        read.append((_place(f"{parent}/{ck}", follow_last=True),
+                     f"{parent}/{ck}, a checkpoint whose files the incremental checkpoint being copied ({src}) reads"))
+    fix = "name a destination outside it"
+    for place, what in read:
+        if to == place:
+            raise CheckpointSaveError(f"copy: {dst} is {what}; name another destination")
+        if _within(to, place):
+            raise CheckpointSaveError(f"copy: {dst} is inside {what}: the copy would be written into what it "
+                                      f"reads; {fix}")
+        if _within(place, to):
+            raise CheckpointSaveError(f"copy: {what} is inside {dst}: writing the copy there would replace what "
+                                      f"it reads; {fix}")
+
+
+def _records(m: Manifest) -> List[Tuple[TensorRecord, bool]]:
+    """Every tensor record (global, then per rank) and whether it is global; untied first."""
+    out = [(t, True) for _, t in sorted(m.tensors.items()) if not t.tied_to]
+    out += [(t, True) for _, t in sorted(m.tensors.items()) if t.tied_to]
+    for r in m.per_rank:
+        out += [(t, False) for _, t in sorted(r.tensors.items())]
+    return out
+
+
+def _plan(m: Manifest) -> Dict[int, Dict[Tuple[str, int, int], _Out]]:
+    """Per rank of DST's files: each distinct piece of SRC (file, start, end) and its entry name."""
+    files = m.all_files()
+    by_rank: Dict[int, Dict[Tuple[str, int, int], _Out]] = {}
+    names: Dict[int, Set[str]] = {}
+    for rec, is_global in _records(m):
+        for p in rec.pieces:
+            k = (p.file, p.start, p.end)
+            rank = files[p.file].rank
+            outs = by_rank.setdefault(rank, {})
+            if k in outs:  # a tied key's pieces, or a piece listed twice: copied once
+                continue
+            base = piece_name(rec.key, p.offset, p.shape, rec.shape) if is_global else rec.key
+            taken = names.setdefault(rank, set())
+            name, n = base, 1
+            while name in taken:  # cannot happen for a manifest a save wrote; kept unique regardless
+                n += 1
+                name = f"{base}#{n}"
+            taken.add(name)
+            outs[k] = _Out(p, rec.dtype, name)
+    return by_rank
+
+
+def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
+                       storage_options: Optional[Dict[str, Any]]) -> bool:
+    """Refuse a DST that is not ours to write (see the module docstring); remove an empty directory.
+    Whether a checkpoint is there (to be replaced)."""
+    if not name or name in (".", "..") or name.startswith("."):
+        raise CheckpointSaveError(f"{dst}: not a usable checkpoint name ({name!r}): name a directory such as "
+                                  "ckpt_copy/ or s3://bucket/prefix/step_100")
+    fix = "choose another destination, or remove it first"
+    if remote.is_remote(dst):
+        if root.is_checkpoint(name):
+            if not overwrite:
+                raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite "
+                                          "(overwrite=True) to replace it, or choose another destination")
+            return True
+        fs, key = remote.filesystem(dst, storage_options)
+        try:
+            found = remote.retry(f"list {dst}", lambda: fs.ls(key.rstrip("/"), detail=False, refresh=True))
+        except FileNotFoundError:
+            found = []
+        if found:
+            raise CheckpointSaveError(f"{dst} holds objects and is not a nostall checkpoint (no nostall "
+                                      f"manifest.json there); refusing to write into it: {fix}")
+        return False
+    try:
+        mode: Optional[int] = os.lstat(dst).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is None:
+        return False
+    if stat.S_ISLNK(mode):
+        raise CheckpointSaveError(f"{dst} is a symbolic link: nostall never writes through one; {fix}")
+    if not stat.S_ISDIR(mode):
+        raise CheckpointSaveError(f"{dst} exists and is not a directory; {fix}")
+    if root.is_checkpoint(name):
+        if not overwrite:
+            raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite (overwrite=True) "
+                                      "to replace it, or choose another destination")
+        return True
+    if os.listdir(dst):
+        raise CheckpointSaveError(f"{dst} exists and is not a nostall checkpoint (no nostall manifest.json in "
+                                  f"it); refusing to replace it: {fix}")
+    os.rmdir(dst)  # an empty directory: the copy is renamed into its place
+    return False
+
+
+def _copy_piece(files: Any, o: _Out, out: FileWriter, buf: memoryview, block_size: int, where: str) -> None:
+    """Copy one piece from SRC to the end of ``out``, every block checked against its checksum first."""
+    p = o.src
+    window = len(buf)
+    for lo in range(0, p.nbytes, window):
+        n = min(window, p.nbytes - lo)
+        view = files.read(p.file, p.start + lo, n, buf[:n])
+        for i in range(0, n, block_size):
+            b = (lo + i) // block_size
+            if crc(view[i : i + block_size]) != p.crc32c[b]:
+                a = p.start + b * block_size
+                raise CheckpointCorruptError(
+                    f"{files.path(p.file)}: checksum mismatch in bytes [{a}, {min(a + block_size, p.end)}) "
+                    f"(entry {o.name!r}): the source is damaged, nothing was copied; run 'nostall verify {where}' "
+                    "for every problem, and copy from an intact replica"
+                )
+        out.write(view[:n])
+
+
+def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
+                    storage_options: Optional[Dict[str, Any]] = None,
+                    dst_storage_options: Optional[Dict[str, Any]] = None,
+                    progress: Optional[ProgressFn] = None) -> CopyReport:
+    """Write a self-contained copy of the checkpoint ``src`` at ``dst`` (see the module docstring).
+
+    Args:
+        src: a checkpoint directory or URL, or a run root (its latest checkpoint).
+        dst: the new checkpoint's directory or URL (``s3://...``); it must not
+            exist, or be an empty directory, or be a nostall checkpoint (then
+            only with ``overwrite``).
+        overwrite: replace a nostall checkpoint at ``dst``.
+        storage_options: fsspec options for an object-storage ``src`` (and ``dst``).
+        dst_storage_options: for ``dst`` when they differ (default: ``storage_options``).
+        progress: ``progress(done_bytes, total_bytes)`` after each piece.
+
+    Raises :class:`~nostall.CheckpointCorruptError` naming the file when a
+    byte read does not match its checksum or a referenced file is missing
+    (nothing is committed then), :class:`~nostall.CheckpointSaveError` for a
+    destination that cannot be written.
+
+    Example::
+
+        >>> import os, tempfile, torch, nostall
+        >>> from nostall.interop.copy import copy_checkpoint
+        >>> d = tempfile.mkdtemp()
+        >>> with nostall.CheckpointManager(os.path.join(d, "run"), incremental=True) as m:
+        ...     for step in (1, 2):
+        ...         _ = m.save(step, {"frozen": torch.ones(1000), "w": torch.full((4,), float(step))})
+        >>> r = copy_checkpoint(os.path.join(d, "run"), os.path.join(d, "mine"))
+        >>> [n.split("/")[0] for n in r.referenced]   # step 2 reads 'frozen' from step 1's file
+        ['step_1']
+        >>> nostall.load({"frozen": torch.empty(1000), "w": torch.empty(4)}, os.path.join(d, "mine"))["w"]
+        tensor([2., 2., 2., 2.])
+    """
+    so = storage_options
+    dso = dst_storage_options if dst_storage_options is not None else storage_options
+    sroot, sname, _ = resolve(os.fspath(src), storage_options=so)
+    src_path = sroot.path(sname)
+    dst = os.fspath(dst)
+    if remote.is_remote(dst):
+        dst = dst.rstrip("/")
+    m = read_manifest(src_path, so)
+    _check_apart(src_path, dst, m, so, dso)
+    droot, dname = split_checkpoint(dst, dso)
+    replacing = _check_destination(dst, droot, dname, overwrite, dso)
+
+    plan = _plan(m)
+    entries: Dict[int, Tuple[bytes, int, List[_Out]]] = {}
+    for rank, outs in sorted(plan.items()):
+        order = list(outs.values())
+        header, ranges, size = layout_entries(
+            [(o.name, o.dtype, o.src.shape, o.src.nbytes) for o in order],
+            {"format": "nostall", "rank": str(rank), "world_size": str(m.world_size)})
+        for o, (a, b) in zip(order, ranges):
+            o.start, o.end = a, b
+        entries[rank] = (header, size, sorted(order, key=lambda o: o.start))
+
+    # a new directory gets plain names (rank0.safetensors, config.json: as nostall.save writes them); replacing a
+    # checkpoint, names carry the copy's id, so that none is a name the replaced one used (object storage: always)
+    dest = Destination(droot, dname, m.step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=replacing)
+
+    def moved(t: TensorRecord, rank_of: Dict[str, int]) -> TensorRecord:
+        # the skeleton names each piece where it is planned (rank<N>.safetensors); the commit puts the stored
+        # names in from what was written (Manifest.with_placed), as for a save
+        pieces = []
+        for p in t.pieces:
+            r = rank_of[p.file]
+            o = plan[r][(p.file, p.start, p.end)]
+            pieces.append(PieceRecord(p.offset, p.shape, data_file_name(r), o.start, o.end, p.crc32c))
+        return replace(t, pieces=tuple(pieces))
+
+    rank_of = {n: f.rank for n, f in m.all_files().items()}
+    side = tuple((r.name, read_side_file(src_path, r, so)) for r in sorted(m.side_files.values(), key=lambda r: r.name))
+    side_recs = {}
+    for n, data in side:
+        s = droot.data_name(dest, n)
+        side_recs[n] = SideFileRecord(n, len(data), m.side_files[n].crc32c, "" if s == n else s)
+    manifest = Manifest(
+        step=m.step, world_size=m.world_size, block_size=m.block_size,
+        files={data_file_name(r): FileRecord(data_file_name(r), r, size) for r, (_, size, _) in entries.items()},
+        tensors={k: moved(t, rank_of) for k, t in m.tensors.items()},
+        objects=m.objects,
+        per_rank=tuple(RankRecord({k: moved(t, rank_of) for k, t in r.tensors.items()}, r.objects)
+                       for r in m.per_rank),
+        side_files=side_recs,
+    )
+    total = sum(o.src.nbytes for _, _, order in entries.values() for o in order)
+    done = [0]
+    failure: List[BaseException] = []
+
+    def write(job: SaveJob, staging: str, base: Any) -> Written:
+        w = Written()
+        files = _open_files(src_path, m, so)
+        buf = memoryview(bytearray(verify_window(m.block_size)))
+        try:
+            for rank, (header, size, order) in sorted(entries.items()):
+                planned = data_file_name(rank)
+                with FileWriter(os.path.join(staging, planned)) as out:
+                    out.write(memoryview(header))
+                    for o in order:
+                        _copy_piece(files, o, out, buf, m.block_size, src_path)
+                        w.placed[(planned, o.start, o.end)] = Placed(planned, o.start, o.end, o.src.crc32c)
+                        done[0] += o.src.nbytes
+                        if progress is not None:
+                            progress(done[0], total)
+                    got = out.finish()
+                if got != size:  # cannot happen: the layout says where each piece goes
+                    raise CheckpointSaveError(f"copy: wrote {got} bytes of {planned}, {size} laid out")
+                w.files[planned] = FileRecord(planned, rank, size)
+        except BaseException as e:
+            failure.append(e)
+            raise
+        finally:
+            files.close()
+        return w
+
+    jobs = tuple(FileJob(data_file_name(r), 0, size, len(header), tuple((o.start, o.end) for o in order))
+                 for r, (header, size, order) in sorted(entries.items()))
+    job = SaveJob(dest, 0, 1, jobs, m.block_size, timeout=_TIMEOUT_S, manifest=manifest, side_files=side)
+    try:
+        droot.make_staging(dest)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointSaveError(f"copy: cannot write {dst}: {e.strerror or e}; check the destination's "
+                                  "directory and permissions") from None
+    result = run_job(job, write, SoloBarrier())
+    if not result.ok:
+        if failure and isinstance(failure[0], CheckpointError):
+            raise failure[0]
+        raise CheckpointSaveError(f"copy of {src_path} to {dst} failed, nothing was committed: {result.error}")
+    all_src = m.all_files()
+    used = {k for outs in plan.values() for k in outs}
+    own = sum(e - s for f, s, e in used if "/" not in f)
+    return CopyReport(
+        src=src_path, dst=dst, files=sorted(read_manifest(dst, dso).files), bytes=total, own_bytes=own,
+        referenced_bytes=total - own, referenced=sorted(n for n in all_src if "/" in n), side_files=len(side),
+    )

@@ -1,0 +1,1 @@
+"""The load path: reading a checkpoint back into a state (:mod:`.reader`), and checking one."""

@@ -1,0 +1,103 @@
+"""Replica checks: the copies of a tensor saved once for several ranks must be equal.
+
+A plain ``torch.Tensor`` leaf means "every rank holding this key holds the
+same value", and so does a ShardedTensor piece that several ranks hold (one
+with ``replica_id`` 0, the others copies). Only one copy is written. When the
+ranks' copies differ (an optimizer's ``exp_avg`` of a tensor-parallel weight
+saved as a plain tensor, a per-rank counter saved as a tensor), the other
+ranks' values would be lost without a word; this check refuses such a save.
+
+Each rank checksums the copies it holds (crc32c of the bytes), the checksums
+are gathered, and the verdict is computed alike on every rank from the same
+gathered data, so every rank raises the same error.
+
+Example::
+
+    >>> from nostall.planning.replicas import disagreements
+    >>> shared = {"w": (0, 1)}                 # key -> the ranks holding a copy
+    >>> disagreements(shared, [{"w": 7}, {"w": 7}]) is None
+    True
+    >>> print(disagreements(shared, [{"w": 7}, {"w": 9}]))  # doctest: +ELLIPSIS
+    key 'w': ranks 0 and 1 hold different values of a tensor saved once for all of them ...
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import crc32c as _crc32c
+
+from nostall.core.tensorbuf import byte_view, host_contiguous
+from nostall.core.model import FlatState
+
+__all__ = ["shared_keys", "digests", "disagreements"]
+
+_CHUNK = 64 << 20  # bytes copied from a device at a time
+
+
+def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[int, ...]]:
+    """Keys held by several ranks in the same box: key -> those ranks (from every rank's plan metadata).
+
+    A rank holds at most one piece of a key; ranks whose pieces of a key have
+    different boxes are not copies of each other (sharded pieces), so the
+    ranks are grouped by box and only boxes with two or more holders count.
+    ``metas`` are :class:`nostall.planning.plan.RankMeta` values.
+    """
+    boxes: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], List[int]] = {}
+    for r, m in enumerate(metas):
+        for t in m.tensors:  # type: ignore[attr-defined]
+            boxes.setdefault((t.key, t.offset, t.shape), []).append(r)
+    out: Dict[str, Tuple[int, ...]] = {}
+    for (key, _off, _shape), ranks in sorted(boxes.items()):
+        if len(ranks) > 1:
+            out[key] = tuple(ranks)
+    return out
+
+
+def digests(flat: FlatState, shared: Dict[str, Tuple[int, ...]], rank: int) -> Dict[str, int]:
+    """crc32c of this rank's copy of each shared key it holds."""
+    out: Dict[str, int] = {}
+    for key, ranks in shared.items():
+        if rank not in ranks:
+            continue
+        t = flat.tensors[key].data.detach()
+        if t.device.type != "cpu":  # through host memory a bounded slice at a time
+            flatv = t.reshape(-1)
+            step = max(1, _CHUNK // max(1, t.element_size()))
+            value = 0
+            for i in range(0, flatv.numel(), step):
+                value = _crc32c.crc32c(byte_view(host_contiguous(flatv[i : i + step])), value)
+            out[key] = int(value)
+        else:
+            out[key] = int(_crc32c.crc32c(byte_view(host_contiguous(t))))
+    return out
+
+
+def disagreements(shared: Dict[str, Tuple[int, ...]], gathered: Sequence[Dict[str, int]],
+                  limit: int = 5) -> Optional[str]:
+    """The message naming the keys whose copies differ across ranks, or None when all agree."""
+    bad: List[str] = []
+    for key, ranks in shared.items():
+        groups: Dict[int, List[int]] = {}
+        for r in ranks:
+            if key in gathered[r]:
+                groups.setdefault(gathered[r][key], []).append(r)
+        if len(groups) > 1:
+            parts = sorted(groups.values())
+            a, b = parts[0], parts[1]
+            bad.append(f"key {key!r}: ranks {_ranks(a)} and {_ranks(b)} hold different values")
+    if not bad:
+        return None
+    more = f" (and {len(bad) - limit} more keys)" if len(bad) > limit else ""
+    return (
+        "; ".join(bad[:limit]) + more + " of a tensor saved once for all of them (a plain tensor means "
+        "'the same on every rank', and so do ShardedTensor copies with a non-zero replica_id): only one "
+        "copy would be written and the others lost. Describe how it is split instead: a "
+        "nostall.ShardedTensor (this rank's piece of a global tensor) or a DTensor; or nostall.PerRank(...) "
+        "for a value of each rank's own; for a model and its optimizer, save(step, model=..., "
+        "optimizer=...) shards optimizer state like its parameter. check_replicas=False turns this check off"
+    )
+
+
+def _ranks(rs: Sequence[int]) -> str:
+    return str(rs[0]) if len(rs) == 1 else str(list(rs))

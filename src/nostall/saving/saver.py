@@ -1,0 +1,628 @@
+"""The save pipeline: state -> plan -> staged bytes -> files -> commit.
+
+:class:`Saver` runs saves over a :class:`~nostall.planning.comm.Comm`. The first two
+phases are collective and the same for synchronous and asynchronous saves:
+
+1. flatten the state and exchange outcomes (every rank raises the same error,
+   naming the failing rank, before anything is written); rank 0 draws the
+   save's id and makes its staging on the root;
+2. plan (cached while every rank's structure is unchanged).
+
+Then both run the same save job (:func:`nostall.saving.commit.run_job`): a
+synchronous save inline, its bytes read straight from the tensors and the
+ranks meeting through collectives (:class:`CollectiveBarrier`); an
+asynchronous one in the rank's writer process, after :class:`Staging` copied
+the file images into the staging area, the ranks meeting through records on
+the root (docs/protocol.md).
+
+:class:`Staging` holds the three ways of copying (docs/overlap.md), each a
+method: :meth:`~Staging.whole` (all of it before ``save()`` returns, or in a
+thread while training goes on: *overlapped*), :meth:`~Staging.chunked` (a
+state larger than the host-memory budget goes through the area in chunks
+that the writer writes as they come), and :meth:`~Staging.fail`, the
+failure path shared by all three.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from nostall.planning import replicas
+from nostall.saving import side_files
+from nostall.planning.comm import Comm
+from nostall.core.faults import Faults, crash_point
+from nostall.core.tensorbuf import byte_view, host_contiguous
+from nostall.saving.background import BackgroundWriter
+from nostall.saving.commit import Barrier, run_job
+from nostall.saving.datafiles import History, write_files
+from nostall.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
+from nostall.core.format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name
+from nostall.handles import SaveStats
+from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
+from nostall.core.model import FlatState, flatten
+from nostall.options import Options
+from nostall.saving.side_files import SideFiles
+from nostall.planning.plan import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
+from nostall.saving.area import cut_chunks, layout
+
+log = logging.getLogger("nostall")
+
+
+def _failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int], cls: type) -> Optional[Exception]:
+    """The error naming every rank whose outcome is an error message, or None."""
+    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg]
+    if not failed:
+        return None
+    where = f"step {step}" if step is not None else "checkpoint"
+    details = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+    return cls(f"{what} of {where} failed on rank(s) {[r for r, _ in failed]}: {details}")
+
+
+def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
+    """The local tensor holding the bytes of a planned piece."""
+    if item.per_rank:
+        return flat.per_rank_tensors[item.key]
+    return flat.tensors[item.key].data
+
+
+def _file_jobs(files: Sequence[FilePlan], offsets: Optional[Sequence[int]] = None) -> Tuple[FileJob, ...]:
+    return tuple(FileJob(f.name, offsets[i] if offsets else 0, f.size, len(f.header),
+                         tuple((it.start, it.end) for it in f.items)) for i, f in enumerate(files))
+
+
+class CollectiveBarrier(Barrier):
+    """Synchronous saves: the ranks meet through collectives over the manager's group."""
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        return dict(enumerate(self.comm.all_gather(mine)))
+
+    def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
+        self.comm.broadcast(outcome, src=0)
+
+    def await_outcome(self, job: SaveJob, deadline: float) -> Outcome:
+        outcome = self.comm.broadcast(None, src=0)
+        assert isinstance(outcome, Outcome)
+        return outcome
+
+
+@dataclass(frozen=True)
+class RankZeroOnly:
+    """A top-level value of a state that only rank 0 of the group may give (``driver=``).
+
+    Rank 0's value is saved; given on another rank, the save fails on every
+    rank, naming it: a value that one rank alone passes would otherwise be
+    saved (or not) depending on which rank it was, silently.
+    """
+
+    value: Any
+    what: str  # how the caller gave it, for the error: "driver="
+
+
+def _rank_zero_only(state: Any, rank: int) -> Any:
+    """``state`` with its :class:`RankZeroOnly` values unwrapped (rank 0), or InvalidStateError (another rank)."""
+    if not isinstance(state, Mapping):
+        return state
+    given = [v for v in state.values() if isinstance(v, RankZeroOnly)]  # a few top-level keys: no cost
+    if not given:
+        return state
+    if rank != 0:
+        what = given[0].what
+        raise InvalidStateError(f"{what} was given on rank {rank}, but only rank 0 gives it (state saved once for "
+                                f"the whole job, such as the job driver's): pass {what} on rank 0 alone (None on "
+                                "the other ranks)")
+    return {k: v.value if isinstance(v, RankZeroOnly) else v for k, v in state.items()}
+
+
+@dataclass
+class Prepared:
+    """A save after its collective phases: what to write, and what rank 0 commits."""
+
+    dest: Destination
+    flat: FlatState
+    plan: SavePlan
+    objects: Dict[str, Any]
+    per_rank_objects: List[Dict[str, Any]]
+    cached: bool
+    t0: float
+    t_plan: float
+    side_files: SideFiles = ()  # rank 0's, committed with the checkpoint
+
+    @property
+    def step(self) -> Optional[int]:
+        return self.dest.step
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save handed to the writer; completed by :meth:`Saver.complete`."""
+
+    prepared: Prepared
+    job: SaveJob
+    t_start: float
+    stall_s: float = 0.0
+    stage_s: float = 0.0
+    failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
+    staging: Optional[threading.Thread] = None  # overlap: the thread still copying
+    staged_wait_s: float = 0.0  # overlap: how long the caller waited for the copy
+    chunks: int = 0  # budget: chunks the state went through the area in (0: all at once)
+    staging_bytes: int = 0  # size of the staging area used
+    overlap: bool = False  # the copy ran in a thread after save() returned
+
+    def wait_staged(self, timeout: float) -> None:
+        """Block until the copy into host memory is done (overlap); bounded."""
+        t = self.staging
+        if t is None:
+            return
+        t0 = time.perf_counter()
+        t.join(timeout)
+        self.staged_wait_s += time.perf_counter() - t0
+        if t.is_alive():
+            raise CheckpointError(f"rank {self.job.rank}: staging step {self.job.step} still running after "
+                                  f"{timeout:.0f}s")
+        self.staging = None
+
+
+class Staging:
+    """The copy of one asynchronous save into the staging area, and its hand-over to the writer.
+
+    One of :meth:`whole` or :meth:`chunked` runs (in a thread when
+    overlapped); any failure goes through :meth:`fail`.
+    """
+
+    def __init__(self, pending: PendingSave, writer: BackgroundWriter, files: Sequence[FilePlan],
+                 budget: Optional[int], faults: Faults) -> None:
+        self.pending = pending
+        self.writer = writer
+        self.files = files
+        self.budget = budget
+        self.faults = faults
+        self.t0 = time.perf_counter()
+
+    def source(self, item: WriteItem) -> torch.Tensor:
+        return source_tensor(self.pending.prepared.flat, item)
+
+    def whole(self, now: Optional[Callable[[WriteItem], bool]]) -> Optional[Callable[[], None]]:
+        """Copy the headers and the items ``now`` selects (all when None); returns the rest of the
+        work (copy the others, hand the job over), or None when it failed."""
+        job, area = self.pending.job, self.writer.area
+        try:
+            area.record_fences([self.source(i) for f in self.files for i in f.items])
+            jobs, rest = area.stage(self.files, self.source, now, cap=self.budget)
+        except BaseException as e:
+            self.fail(e)
+            return None
+        job.files = jobs
+        self.pending.staging_bytes = area.size
+
+        def finish() -> None:
+            try:
+                time.sleep(self.faults.stage_delay_s)
+                rest()
+                crash_point("staged", job.step)
+                self.writer.submit(job)
+            except BaseException as e:
+                self.fail(e)
+            finally:
+                self.pending.stage_s = time.perf_counter() - self.t0
+
+        return finish
+
+    def chunked(self) -> None:
+        """Copy the file images through the two halves of a budget-sized area, chunk by chunk."""
+        job, writer, budget = self.pending.job, self.writer, self.budget
+        assert budget is not None
+        submitted = False
+        try:
+            area = writer.area
+            area.record_fences([self.source(i) for f in self.files for i in f.items])
+            area.ensure(budget, cap=budget)
+            chunks = cut_chunks(self.files, area.half_size, job.block_size)
+            self.pending.chunks, self.pending.staging_bytes = len(chunks), area.size
+            job.files = _file_jobs(self.files)
+            job.chunked = True
+            writer.submit(job)
+            submitted = True
+            deadline = time.monotonic() + job.timeout
+            for k, cuts in enumerate(chunks):
+                time.sleep(self.faults.stage_delay_s)
+                if k >= 2 and not writer.wait_chunk_done(k - 2, deadline):
+                    return  # the writer failed the job; its result tells why
+                writer.send_chunk(k, area.stage_chunk(cuts, k % 2, self.files, self.source))
+            crash_point("staged", job.step)
+        except BaseException as e:
+            if submitted:  # the writer fails the job and reports, as for a failed write
+                log.error("rank %d: staging step %s failed: %s", job.rank, job.step, describe(e))
+                writer.abort_chunks(f"rank {job.rank}: {describe(e)}")
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                self.fail(e)
+        finally:
+            self.pending.stage_s = time.perf_counter() - self.t0
+
+    def fail(self, e: BaseException) -> None:
+        """Nothing reached the writer: record the failure so that no rank waits for this one.
+
+        It is reported like any other failure of this save, by the next
+        ``save()`` / ``finalize_pending_saves()`` on every rank.
+        SystemExit and KeyboardInterrupt are recorded, then let through.
+        """
+        job = self.pending.job
+        dest, root = job.dest, job.dest.root
+        msg = f"rank {job.rank}: staging step {job.step} failed: {describe(e)}"
+        log.error("%s", msg)
+        deadline = time.monotonic() + job.timeout
+        try:
+            root.write_done(dest, job.rank, Done(False, error=msg), deadline)
+            if job.rank == 0:
+                root.abort(dest)
+                root.write_outcome(dest, Outcome(False, msg), deadline)
+        except Exception as e2:
+            log.error("rank %d: could not record the failure: %s", job.rank, e2)
+        self.pending.failed = JobResult(job.save_id, False, msg)
+        if not isinstance(e, Exception):
+            raise e
+
+
+class Saver:
+    """Runs saves over one Comm, caching the plan while the structure is unchanged."""
+
+    def __init__(self, comm: Comm, options: Options, faults: Optional[Faults] = None) -> None:
+        self.comm = comm
+        self.options = options
+        self.faults = faults if faults is not None else Faults()
+        self._plan: Optional[SavePlan] = None
+        self._shared: Dict[str, Tuple[int, ...]] = {}  # keys several ranks hold a copy of (for the plan above)
+        self._history = History()  # synchronous saves' memory of this rank's last committed save (incremental)
+        self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
+        self._chain = 0  # saves in the current chain (Options.full_every)
+        self._records: Optional[Tuple[SavePlan, Records]] = None  # rank 0: the cached plan's tensor records
+        self._last_records: Optional[Destination] = None  # the last async save (the next job drops its records)
+
+    # ------------------------------------------------------------------ collective phases
+    def plan(self, state: Any) -> SavePlan:
+        """Plan ``state`` without saving it (collective)."""
+        return self._prepare(state, None, None, time.perf_counter(), records=False).plan
+
+    def _prepare(self, state: Any, template: Optional[Destination], step: Optional[int], t0: float,
+                 records: bool, given: Optional[Mapping[str, Any]] = None) -> Prepared:
+        comm = self.comm
+        state_err: Optional[str] = None
+        target_err: Optional[str] = None
+        flat = meta = None
+        sig = ""
+        side: SideFiles = ()
+        try:
+            flat = flatten(_rank_zero_only(state, comm.rank))
+            meta = local_meta(flat)
+            sig = meta.signature()
+            if given and comm.rank == 0:  # rank 0's are saved: its problems reach every rank below
+                side = side_files.collect(given, reserved=[data_file_name(r) for r in range(comm.size)])
+        except InvalidStateError as e:
+            state_err = str(e)
+        except Exception as e:  # anything else must reach the other ranks too
+            state_err = f"unexpected error while inspecting the state: {describe(e)}"
+        save_id = uuid.uuid4().hex if comm.rank == 0 else ""
+        dest = replace(template, save_id=save_id) if template is not None else None
+        made = False
+        if state_err is None and comm.rank == 0 and dest is not None:
+            try:
+                dest.root.make_staging(dest)
+                made = True
+                if records:
+                    dest.root.make_records(dest)
+            except Exception as e:  # a storage back end may raise its own types: all must reach every rank
+                target_err = f"cannot save to {dest.path}: {describe(e)}"
+        try:
+            agreed, prepared = self._plan_round(state_err, target_err, sig, flat, meta, step, save_id, dest, t0)
+        except BaseException:  # a collective failed: the other ranks see it fail too
+            if made:
+                assert dest is not None
+                dest.root.abort(dest)
+                dest.root.drop_records(save_id)
+            raise
+        if agreed is not None:
+            # raised alike on every rank (from the exchanged outcomes): the others raise only
+            # once rank 0 has removed this save's staging
+            if made:
+                assert dest is not None
+                dest.root.abort(dest)
+                dest.root.drop_records(save_id)
+            if comm.size > 1:
+                comm.broadcast(None)
+            raise agreed
+        assert prepared is not None
+        prepared.side_files = side
+        return prepared
+
+    def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
+                    meta: Any, step: Optional[int], save_id: str, dest: Optional[Destination],
+                    t0: float) -> Tuple[Optional[Exception], Optional[Prepared]]:
+        """Exchange every rank's outcome and signature; plan (or reuse the cached plan).
+
+        Returns the error every rank raises alike (from the exchanged outcomes), or the prepared save.
+        """
+        comm = self.comm
+        objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
+        round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))
+        agreed = (_failures([r[0] for r in round1], "save", step, InvalidStateError)
+                  or _failures([r[1] for r in round1], "save", step, CheckpointSaveError))
+        if agreed is None and len({r[4] for r in round1}) > 1:
+            agreed = InvalidStateError(
+                "ranks disagree on the step being saved: "
+                + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
+            )
+        if agreed is not None:
+            return agreed, None
+        assert flat is not None and meta is not None
+        sigs = tuple(r[2] for r in round1)
+        cached = self._plan is not None and self._plan.signatures == sigs
+        if cached:
+            plan = self._plan
+        else:
+            self._plan = None
+            metas = comm.all_gather(meta)
+            try:
+                plan = build_plan(metas)
+            except InvalidStateError as e:  # computed identically on every rank from the same metadata
+                return e, None
+            self._plan, self._shared = plan, replicas.shared_keys(metas)
+        assert plan is not None
+        check = self.options.check_replicas
+        if self._shared and (check or (check is None and not cached)):
+            error = self._check_replicas(flat)
+            if error is not None:
+                self._plan = None  # the next save checks again, even with the same structure
+                return error, None
+        try:
+            objects = check_objects([r[3][0] for r in round1], plan.tensors)
+        except InvalidStateError as e:
+            return e, None
+        if dest is None:  # planning only
+            dest = Destination(None, "", step, "")
+        return None, Prepared(replace(dest, save_id=round1[0][5]), flat, plan, objects, [r[3][1] for r in round1],
+                              cached, t0, time.perf_counter())
+
+    def _check_replicas(self, flat: FlatState) -> Optional[InvalidStateError]:
+        """Compare every rank's copies of the keys saved once for several ranks (collective).
+
+        Every rank gets the same verdict from the same gathered checksums.
+        """
+        mine: Any
+        try:
+            mine = replicas.digests(flat, self._shared, self.comm.rank)
+        except Exception as e:  # the others must not wait for this rank's checksums
+            mine = f"rank {self.comm.rank}: checksumming its replicated tensors failed: {describe(e)}"
+        gathered = self.comm.all_gather(mine)
+        failed = [g for g in gathered if isinstance(g, str)]
+        if failed:
+            return InvalidStateError("; ".join(failed))
+        problem = replicas.disagreements(self._shared, gathered)
+        return InvalidStateError(problem) if problem is not None else None
+
+    def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
+        incremental = self.options.incremental and p.dest.move_latest  # only in a root whose steps a manager owns
+        dest = replace(p.dest, tagged=True) if incremental else p.dest  # names an earlier manifest never used
+        manifest = None
+        if self.comm.rank == 0:
+            root = dest.root
+            # data files keep their planned names here: the commit names them as stored (Manifest.with_placed)
+            if self._records is None or self._records[0] is not p.plan:
+                self._records = (p.plan, tensor_records(p.plan))
+            manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
+                                                 self.options.block_size, self._records[1]),
+                               side_files={n: replace(r, stored="" if root.data_name(dest, n) == n
+                                                      else root.data_name(dest, n))
+                                           for n, r in side_files.records(p.side_files).items()})
+        base_id, base_name = self._base
+        full = (not base_id or base_name == dest.name
+                or (self.options.full_every is not None and self._chain >= self.options.full_every))
+        return SaveJob(dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
+                       manifest=manifest, faults=self.faults, side_files=p.side_files, incremental=incremental,
+                       base="" if full or not incremental else base_id)
+
+    def _committed(self, job: SaveJob) -> None:
+        """``job`` committed: the next incremental save may reuse its pieces."""
+        if job.incremental:
+            self._chain = self._chain + 1 if job.base else 1
+            self._base = (job.save_id, job.dest.name)
+
+    def _failed(self, job: SaveJob) -> None:
+        """``job`` failed (as this rank sees it): the next incremental save writes everything. What it
+        reused may be why it failed (a file of the chain deleted by hand: every later save on the same base
+        would fail the same way), and after a timeout another rank may have seen it commit."""
+        if job.incremental:
+            self._base = ("", "")
+            self._chain = 0
+
+
+    # ------------------------------------------------------------------ synchronous
+    def save(self, state: Any, template: Destination, t_call: Optional[float] = None,
+             side: Optional[Mapping[str, Any]] = None) -> SaveStats:
+        """A synchronous save; returns once committed (collective).
+
+        ``template``: where it goes (its ``save_id`` is drawn here).
+        ``t_call``: when the caller's ``save()`` began (before waiting for a
+        previous save), for the stall figure. ``side``: side files (rank 0's
+        are committed with the checkpoint, see :mod:`nostall.saving.side_files`).
+        """
+        comm = self.comm
+        t_start = time.perf_counter()
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=False,
+                          given=side)
+        crash_point("planned", p.step)
+        files = p.plan.files_of(comm.rank)
+        job = self._job(p, _file_jobs(files))
+
+        def source(i: int, f: FileJob) -> Tuple[memoryview, Iterator[Tuple[int, memoryview]]]:
+            return memoryview(files[i].header), _tensor_parts(files[i], p.flat)
+
+        result = run_job(job, write_files(source), CollectiveBarrier(comm), self._history)
+        if not result.ok:
+            self._failed(job)
+            raise _failure(p.step, result)
+        self._committed(job)
+        t_end = time.perf_counter()
+        stats = SaveStats(
+            step=p.step, rank=comm.rank, world_size=comm.size, async_save=False,
+            stall_s=t_end - p.t0, wait_s=t_start - p.t0, plan_s=p.t_plan - t_start, stage_s=0.0,
+            write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
+            bytes_written=result.bytes_written, total_bytes=sum(f.size for f in p.plan.files.values()),
+            plan_cached=p.cached,
+        )
+        _log_stats(stats, p.dest.path)
+        return stats
+
+    # ------------------------------------------------------------------ asynchronous
+    def save_async(self, state: Any, template: Destination, writer: BackgroundWriter, t_call: Optional[float] = None,
+                   *, overlap: bool = False, stage_now: Optional[Callable[[str], bool]] = None,
+                   side: Optional[Mapping[str, Any]] = None) -> PendingSave:
+        """Stage this rank's data and hand it to the writer (collective up to the plan).
+
+        ``overlap``: the copy runs in a thread after this returns, except the
+        keys ``stage_now`` selects; wait with :meth:`PendingSave.wait_staged`
+        before changing the state. Under the options' staging budget, a
+        rank's state larger than that goes through the area in chunks.
+        """
+        t_start = time.perf_counter()
+        p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=True,
+                          given=side)
+        crash_point("planned", p.step)
+        writer.ensure_alive()
+        files = p.plan.files_of(self.comm.rank)
+        job = replace(self._job(p, ()), max_write_rate=self.options.max_write_rate,
+                      drop_records=self._last_records if self.comm.rank == 0 else None)
+        self._last_records = job.dest
+        pending = PendingSave(p, job, t_start=t_start)
+        budget = self.options.staging_budget_bytes
+        staging = Staging(pending, writer, files, budget, self.faults)
+        chunked = budget is not None and layout(files)[1] > budget
+        if chunked and stage_now is not None:
+            overlap = False  # the selected keys cannot be copied ahead of the chunks: copy all of it now
+        work: Optional[Callable[[], None]]
+        if chunked:
+            work = staging.chunked
+        else:
+            now: Optional[Callable[[WriteItem], bool]] = None  # everything before returning
+            if overlap:
+                now = (lambda item: stage_now(item.key)) if stage_now is not None else (lambda item: False)
+            work = staging.whole(now)
+        pending.overlap = overlap and work is not None
+        if work is not None:
+            if pending.overlap:
+                pending.staging = threading.Thread(target=work, name=f"nostall-staging-{self.comm.rank}", daemon=True)
+                pending.staging.start()
+            else:
+                work()
+        pending.stall_s = time.perf_counter() - p.t0
+        if not pending.overlap:
+            pending.stage_s = time.perf_counter() - staging.t0
+        return pending
+
+    def staged_stats(self, pending: PendingSave) -> SaveStats:
+        """What is known of an asynchronous save when ``save()`` returns (write and commit still to come)."""
+        p = pending.prepared
+        return SaveStats(
+            step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
+            stall_s=pending.stall_s, wait_s=pending.t_start - p.t0, plan_s=p.t_plan - pending.t_start,
+            stage_s=pending.stage_s, write_s=None, commit_s=None, total_s=None,
+            bytes_written=sum(f.size for f in p.plan.files_of(self.comm.rank)),
+            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            overlap=pending.overlap, chunks=pending.chunks, staging_bytes=pending.staging_bytes,
+        )
+
+    def complete(self, pending: PendingSave, result: JobResult) -> SaveStats:
+        """Stats of a finished asynchronous save, or its error."""
+        p = pending.prepared
+        if not result.ok:
+            self._failed(pending.job)
+            raise _failure(p.step, result)
+        self._committed(pending.job)
+        t_end = time.perf_counter()
+        stats = SaveStats(
+            step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
+            stall_s=pending.stall_s + pending.staged_wait_s, wait_s=pending.t_start - p.t0,
+            plan_s=p.t_plan - pending.t_start, stage_s=pending.stage_s,
+            write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
+            bytes_written=result.bytes_written,
+            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            overlap=pending.overlap, staged_wait_s=pending.staged_wait_s,
+            chunks=pending.chunks, staging_bytes=pending.staging_bytes,
+        )
+        _log_stats(stats, p.dest.path)
+        return stats
+
+
+def _failure(step: Optional[int], result: JobResult) -> CheckpointSaveError:
+    """The error a failed save raises: a timeout when a wait ran out."""
+    prefix = f"save of step {step} failed"
+    error = result.error or "unknown error"
+    cls = CheckpointTimeoutError if result.timed_out else CheckpointSaveError
+    return cls(error if error.startswith(prefix) else f"{prefix}: {error}")
+
+
+def _log_stats(s: SaveStats, final: str) -> None:
+    log.info(
+        "rank %d: %s step %s to %s: %.1f MB this rank, blocked %.3fs (plan %.3fs%s, stage %.3fs), "
+        "write %.3fs, commit %.3fs",
+        s.rank, "saved" if not s.async_save else "committed async save of", s.step, final,
+        s.bytes_written / 1e6, s.stall_s, s.plan_s, " cached" if s.plan_cached else "", s.stage_s,
+        s.write_s, s.commit_s,
+    )
+
+
+def _tensor_parts(fp: FilePlan, flat: FlatState) -> Iterator[Tuple[int, memoryview]]:
+    """(start, bytes) of each piece of a planned file, straight from the tensors."""
+    for item in fp.items:
+        t = host_contiguous(source_tensor(flat, item))
+        buf = byte_view(t)
+        if len(buf) != item.end - item.start:
+            raise RuntimeError(f"key {item.key!r}: tensor has {len(buf)} bytes, "
+                               f"the plan expects {item.end - item.start}")
+        yield item.start, buf
+        del buf, t
+
+
+Records = Tuple[Dict[str, TensorRecord], List[Dict[str, TensorRecord]]]
+"""A plan's tensor records without checksums: global, and per rank."""
+
+
+def tensor_records(plan: SavePlan) -> Records:
+    """The tensor records of ``plan`` (a manifest's bulk), without checksums."""
+
+    def record(tp: TensorPlan) -> TensorRecord:
+        pieces = tuple(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, ()) for p in tp.pieces)
+        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces, tp.tied_to)
+
+    return ({k: record(t) for k, t in plan.tensors.items()},
+            [{k: record(t) for k, t in plan.per_rank[r].items()} for r in range(plan.world_size)])
+
+
+def manifest_skeleton(
+    plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
+    block_size: int, records: Optional[Records] = None,
+) -> Manifest:
+    """The manifest of a plan, without checksums (filled in by ``Manifest.with_placed``).
+
+    ``records``: the plan's :func:`tensor_records`, when the caller keeps them (a cached plan's saves).
+    """
+    tensors, per_rank = records if records is not None else tensor_records(plan)
+    return Manifest(
+        step=step,
+        world_size=plan.world_size,
+        block_size=block_size,
+        files={n: FileRecord(n, f.rank, f.size) for n, f in plan.files.items()},
+        tensors=tensors,
+        objects=objects,
+        per_rank=tuple(RankRecord(per_rank[r], dict(per_rank_objects[r])) for r in range(plan.world_size)),
+    )

@@ -1,0 +1,254 @@
+"""The background writer process: runs save jobs from the shared staging area.
+
+This module does not import torch (a test checks it). :func:`main` is the
+process's loop: it maps the staging area the trainer shares, and runs each
+save job with the same routine a synchronous save runs inline
+(:func:`nostall.saving.commit.run_job`), its bytes read from the area (whole, or
+chunk by chunk under a host-memory budget, :func:`write_chunked`) and the
+ranks meeting through records on the root. Messages are :class:`~nostall.core.jobs.Msg`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Tuple
+
+from nostall.saving.commit import RecordBarrier, run_job
+from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, write_files
+from nostall.errors import CheckpointSaveError
+from nostall.core.jobs import FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
+from nostall.storage import files as storage
+
+log = logging.getLogger("nostall")
+
+# The next chunk of a chunked job (its segments), after releasing the previous one; None: no more.
+ChunkFeed = Callable[[], Optional[List[Segment]]]
+
+
+def from_area(area: memoryview) -> Writer:
+    """Write a job whose file images lie whole in the staging area."""
+
+    def source(i: int, f: FileJob) -> Tuple[memoryview, List[Tuple[int, memoryview]]]:
+        header = area[f.area_offset : f.area_offset + f.header_size]
+        return header, [(s, area[f.area_offset + s : f.area_offset + e]) for s, e in f.pieces]
+
+    return write_files(source)
+
+
+def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
+    """Write a job whose bytes arrive chunk by chunk (a host-memory budget).
+
+    Segments come in file order, each within a file's header or one piece. A
+    chunk is released (its half of the area reused by the trainer) once
+    every segment of it is written and checksummed.
+    """
+
+    def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
+        pacer = storage.Pacer(job.max_write_rate)
+        outs = []
+        with Checksums(job.block_size) as sums:
+
+            def segments() -> Iterator[Segment]:
+                while True:
+                    sums.drain()  # the chunk's bytes are checksummed before its half is handed back
+                    chunk = feed()
+                    if chunk is None:
+                        return
+                    yield from chunk
+
+            source = segments()
+            for fi, f in enumerate(job.files):
+                with file_out(job, f, staging, sums, pacer, base) as out:
+                    pos = 0
+                    while pos < f.size:
+                        seg = next(source, None)
+                        if seg is None or seg.file != fi or seg.start != pos:
+                            raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
+                        out.add(seg.start, area[seg.area_offset : seg.area_offset + seg.end - seg.start])
+                        pos = seg.end
+                    outs.append((f, out.close(), out.ids))
+                for start, end in f.pieces:
+                    sums.expect((f.name, start, end))  # empty pieces have no segment
+            return collect(job, outs, sums.result(), base)
+
+    return write
+
+
+# --------------------------------------------------------------------------- the process
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        try:  # ioprio_set(IOPRIO_WHO_PROCESS, 0, best-effort class, level 7)
+            import ctypes
+            import platform
+
+            nr = {"x86_64": 251, "aarch64": 30, "ppc64le": 273}.get(platform.machine())
+            if nr is not None:
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall(nr, 1, 0, (2 << 13) | 7)
+        except Exception:
+            pass
+
+
+LOG_LEVEL_ENV = "NOSTALL_WRITER_LOG_LEVEL"
+
+
+def _log_like_the_trainer() -> None:
+    """Send this process's nostall log records to stderr at the trainer's level (upload progress, retries)."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if not level:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[nostall writer %(process)d] %(levelname)s %(message)s"))
+    logger = logging.getLogger("nostall")
+    logger.addHandler(handler)
+    logger.setLevel(int(level))
+    logger.propagate = False
+
+
+def _exit_with_trainer(trainer_pid: int) -> None:
+    """A daemon thread that kills this process once the trainer is gone.
+
+    A writer must never outlive its trainer: an orphan still writing or
+    committing could touch a root that a restarted job has taken over. (Not
+    PR_SET_PDEATHSIG: that fires when the *thread* that started us exits.)
+    """
+    import signal
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != trainer_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, name="nostall-trainer-watch", daemon=True).start()
+
+
+def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
+    """Chunks of the job in progress, from the trainer (CHUNK or CHUNK_ABORT messages)."""
+    last = [-1]
+
+    def feed() -> Optional[List[Segment]]:
+        if last[0] >= 0:
+            conn.send(Msg(Op.CHUNK_DONE, index=last[0]))  # its half of the area may be reused
+        if not conn.poll(max(0.0, deadline - time.monotonic())):
+            raise TimeoutError(f"no staged chunk from the trainer after chunk {last[0]}")
+        msg: Msg = conn.recv()
+        if msg.op is Op.CHUNK_ABORT:
+            raise CheckpointSaveError(f"the trainer stopped staging: {msg.text}")
+        if msg.op is not Op.CHUNK:
+            raise RuntimeError(f"expected a staged chunk from the trainer, got {msg.op}")
+        last[0] = msg.index
+        return msg.segments
+
+    return feed
+
+
+def _exit_now() -> NoReturn:
+    """End the process at once, skipping the interpreter's shutdown.
+
+    Once the trainer is gone (or has stopped us) nothing is left to do, and a
+    normal exit -- atexit handlers, then finalizing every module, long with
+    fsspec/s3fs loaded and slow in this niced process on a busy machine --
+    keeps the process alive 0.1-1 s after its trainer, with the watchdog
+    thread already frozen by the finalization.
+    """
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
+
+
+def main(fd: int, trainer_pid: int = 0) -> int:
+    """The writer process: serve jobs from the trainer over the socket ``fd``.
+
+    Dies with its trainer (``trainer_pid``, when given).
+    """
+    import mmap
+    import signal
+    import socket
+    from multiprocessing.connection import Connection
+    from multiprocessing.reduction import recvfds
+
+    # The trainer decides when we stop: Ctrl-C / SIGTERM sent to the whole
+    # process group must not kill a write half-way; the trainer drains us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _log_like_the_trainer()
+    if trainer_pid:
+        _exit_with_trainer(trainer_pid)
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    area: Optional[mmap.mmap] = None
+    history = History()  # this rank's last committed save, for incremental saves
+    lowered = False  # the priority drops once the writer is ready (start-up imports at nice 10 on a busy
+    # machine took seconds of the first save's deadline: importing s3fs 0.6 s at nice 0, 5 s at nice 10)
+    view: Optional[memoryview] = None
+    try:
+        while True:
+            try:
+                msg: Msg = conn.recv()
+                if msg.op is Op.STOP:
+                    conn.send(Msg(Op.STOPPED))
+                    _exit_now()
+                if msg.op is Op.ATTACH:
+                    (afd,) = recvfds(sock, 1)
+                    if view is not None:
+                        view.release()
+                    if area is not None:
+                        area.close()
+                    area = mmap.mmap(afd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ)
+                    os.close(afd)
+                    view = memoryview(area)
+                    conn.send(Msg(Op.ATTACHED, size=msg.size))
+                elif msg.op is Op.WARM:
+                    try:
+                        msg.root.warm()
+                    except Exception as e:  # the first save will meet (and report) the cause
+                        log.warning("getting ready to write to %s failed: %s", msg.root, e)
+                    if not lowered:
+                        _lower_priority()
+                        lowered = True
+                elif msg.op is Op.SAVE:
+                    if not lowered:
+                        _lower_priority()
+                        lowered = True
+                    job = msg.job
+                    assert job is not None
+                    if view is None:
+                        result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
+                    else:
+                        write = (write_chunked(view, _chunk_feed(conn, time.monotonic() + job.timeout))
+                                 if job.chunked else from_area(view))
+                        later: List[Callable[[], None]] = []
+                        result = run_job(job, write, RecordBarrier(), history, later)
+                        conn.send(Msg(Op.RESULT, result=result))  # the trainer learns first,
+                        for step in later:  # then retention and the sweep (the next job waits for them)
+                            step()
+                        continue
+                    conn.send(Msg(Op.RESULT, result=result))
+                elif msg.op is Op.PING:
+                    conn.send(Msg(Op.PONG, size=os.getpid()))
+            except (EOFError, OSError):
+                _exit_now()  # the trainer is gone (its end of the socket is closed)
+    finally:
+        try:
+            if view is not None:
+                view.release()
+            if area is not None:
+                area.close()
+        except BufferError:
+            pass  # a slice of the area is still referenced (a job cut short): the process exits anyway
+        conn.close()
+        sock.close()

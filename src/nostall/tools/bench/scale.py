@@ -1,0 +1,642 @@
+"""``nostall bench scale``: what nostall's own work costs as the work grows.
+
+Four curves, each over several sizes (docs/benchmarks.md, "Cost as the work grows"):
+
+* ``planning`` -- :func:`~nostall.planning.plan.build_plan` on synthetic metadata of
+  R ranks x T tensors, built without any process group (a mix of FSDP-like
+  tensors sharded over every rank, tensors sharded over tensor-parallel groups
+  of 8 and replicated across the groups, replicated tensors and per-rank
+  values); around it what a rank does with that metadata: its signature, the
+  decode of the gathered metadata (pickle, as the all-gather does), the
+  manifest skeleton, its JSON encode and parse;
+* ``moe`` -- many small tensors per rank (spawned gloo ranks): the stall of an
+  asynchronous ``CheckpointManager.save`` in the steady state, the plan's share
+  of it, the copy floor (the same tensors copied into a touched buffer), and
+  where a save's metadata work goes (flatten, local metadata, signature, the
+  all-gather, the plan);
+* ``manifest`` figures ride along both: bytes and ``Manifest.from_json_bytes``
+  time;
+* ``load`` -- a checkpoint whose tensors are saved in P pieces each (a layout
+  P ranks would save, planned by the planner and written in the format), then
+  loaded as full tensors, as another sharding (halves across every piece) and
+  in the saved layout (one simulated rank's pieces), against a raw read of the
+  same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from nostall.tools.bench.compare import gather_ranks
+
+PARTS = ("planning", "moe", "load")
+TP_GROUP = 8
+"""Tensor-parallel group size of the synthetic metadata's TP-sharded tensors."""
+CRC_SAMPLE = 2864434397
+"""A ten-digit checksum value that the synthetic manifests carry (real ones are as long, or one digit less)."""
+
+
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(f"[bench scale] {text}", file=sys.stderr, flush=True)
+
+
+def _timed(fn: Callable[..., Any], *args: Any) -> Tuple[float, Any]:
+    """(seconds, result) of ``fn(*args)``."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return time.perf_counter() - t0, out
+
+
+# --------------------------------------------------------------------------- planning from synthetic metadata
+
+
+def synthetic_metas(ranks: int, tensors: int) -> List[Any]:
+    """``RankMeta`` of ``ranks`` ranks holding ``tensors`` tensors each, as a training job's would be.
+
+    Half the tensors are sharded over every rank along dim 0 (FSDP-like: 64 rows of 1,024 bf16 per
+    rank), 3/10 are sharded along dim 1 over tensor-parallel groups of 8 and replicated across the
+    groups (the first group's copy is the main one), the rest are replicated fp32 vectors held by every
+    rank; every rank also holds two per-rank tensors (an RNG state and a loader position).
+    """
+    from nostall.planning.plan import RankMeta, TensorMeta
+
+    n_fsdp = tensors // 2
+    n_tp = tensors * 3 // 10
+    n_rep = tensors - n_fsdp - n_tp
+    g = min(TP_GROUP, ranks)
+    out = []
+    for r in range(ranks):
+        ts = []
+        for i in range(n_fsdp):
+            ts.append(TensorMeta(f"model/layers/{i}/fsdp.weight", "BF16", (64 * ranks, 1024), (64 * r, 0), (64, 1024),
+                                 True, True))
+        for i in range(n_tp):
+            ts.append(TensorMeta(f"model/layers/{i}/tp.weight", "BF16", (4096, 512 * g), (0, 512 * (r % g)),
+                                 (4096, 512), True, r // g == 0))
+        for i in range(n_rep):
+            ts.append(TensorMeta(f"model/layers/{i}/norm.weight", "F32", (4096,), (0,), (4096,), False, True))
+        out.append(RankMeta(tuple(ts), (("rng/torch", "U8", (5056,)), ("loader/buffer", "I64", (4,)))))
+    return out
+
+
+def _synthetic_manifest(plan: Any, block_size: int) -> Tuple[Dict[str, float], Any]:
+    """Times of the skeleton, checksums filled in, JSON encode; and the manifest."""
+    from nostall.saving.saver import manifest_skeleton
+
+    per_rank_objects = [{"loader/position": 1000 * r, "loader/epoch": 0} for r in range(plan.world_size)]
+    t_skel, skel = _timed(manifest_skeleton, plan, {"step": 1, "config": {"lr": 3e-4}}, per_rank_objects, 1,
+                          block_size)
+    crcs = {}
+    for t in list(plan.tensors.values()) + [t for d in plan.per_rank for t in d.values()]:
+        for p in t.pieces:
+            crcs[(p.file, p.start, p.end)] = [CRC_SAMPLE] * max(0, -(-(p.end - p.start) // block_size))
+    t_crc, m = _timed(skel.with_crcs, crcs)
+    t_enc, raw = _timed(m.to_json_bytes)
+    return {"skeleton_s": t_skel, "with_crcs_s": t_crc, "encode_s": t_enc}, raw
+
+
+def _decode_all(blobs: Sequence[bytes]) -> List[Any]:
+    """Unpickle every rank's metadata, as a rank does after the all-gather."""
+    return [pickle.loads(b) for b in blobs]
+
+
+def bench_planning(ranks_list: Sequence[int], tensors_list: Sequence[int], reps: int,
+                   progress: bool = False) -> List[Dict[str, Any]]:
+    """One point per (ranks, tensors): see the module docstring."""
+    from nostall.core.format import DEFAULT_BLOCK_SIZE, Manifest
+    from nostall.planning.plan import build_plan
+
+    points = []
+    for tensors in tensors_list:
+        for ranks in ranks_list:
+            _say(progress, f"planning: {ranks} ranks x {tensors} tensors")
+            metas = synthetic_metas(ranks, tensors)
+            # what every rank does alone, before the all-gather: its signature, its pickle
+            sig_s = [_timed(m.signature)[0] for m in metas]
+            blobs = [pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in metas]
+            decode_s, gathered = _timed(_decode_all, blobs)
+            plan_s = []
+            plan = None
+            for _ in range(max(1, reps)):
+                plan = None
+                gc.collect()
+                t, plan = _timed(build_plan, gathered)
+                plan_s.append(t)
+            assert plan is not None
+            pieces = sum(len(t.pieces) for t in plan.tensors.values()) + sum(len(d) for d in plan.per_rank)
+            times, raw = _synthetic_manifest(plan, DEFAULT_BLOCK_SIZE)
+            parse_s = []
+            for _ in range(max(1, min(reps, 3))):
+                gc.collect()
+                parse_s.append(_timed(Manifest.from_json_bytes, raw, "synthetic")[0])
+            points.append({
+                "ranks": ranks, "tensors": tensors, "pieces": pieces, "files": len(plan.files),
+                "signature_s": _med(sig_s), "metadata_bytes": _med([len(b) for b in blobs]),
+                "gather_decode_s": decode_s, "plan_s": plan_s, **times,
+                "manifest_bytes": len(raw), "parse_s": parse_s,
+            })
+            _say(progress, f"  plan {_med(plan_s) * 1e3:.0f} ms for {pieces} pieces; manifest "
+                           f"{len(raw) / 2**20:.1f} MiB parsed in {_med(parse_s) * 1e3:.0f} ms")
+            del metas, gathered, plan, raw, blobs
+            gc.collect()
+    return points
+
+
+# --------------------------------------------------------------------------- many small tensors (spawned ranks)
+
+
+def moe_sizes(n: int, kib_min: float, kib_max: float) -> List[int]:
+    """Bytes of ``n`` small tensors, log-spaced from ``kib_min`` to ``kib_max`` KiB, in a fixed shuffle."""
+    import random
+
+    lo, hi = math.log(kib_min * 1024), math.log(kib_max * 1024)
+    sizes = [int(math.exp(lo + (hi - lo) * (i + 0.5) / n)) // 1024 * 1024 or 1024 for i in range(n)]
+    random.Random(n).shuffle(sizes)
+    return sizes
+
+
+def _moe_state(rank: int, world: int, n: int, kib: Tuple[float, float]) -> Tuple[Dict[str, Any], List[Any], int]:
+    """``n`` expert tensors per rank (fp32, 256 columns), each this rank's rows of a global tensor."""
+    import torch
+
+    from nostall.core.model import ShardedTensor
+
+    experts: Dict[str, Any] = {}
+    tensors = []
+    nbytes = 0
+    g = torch.Generator().manual_seed(rank)
+    for i, b in enumerate(moe_sizes(n, *kib)):
+        rows = max(1, b // (256 * 4))
+        t = torch.randn((rows, 256), generator=g)
+        tensors.append(t)
+        nbytes += t.numel() * 4
+        experts[f"e{i}"] = ShardedTensor(t, (rows * world, 256), (rows * rank, 0))
+    return {"experts": experts, "step": 0}, tensors, nbytes
+
+
+def _copy_floor(tensors: Sequence[Any], buf: Any) -> float:
+    """Seconds to copy ``tensors`` one after the other into the touched buffer ``buf``."""
+    t0 = time.perf_counter()
+    pos = 0
+    for t in tensors:
+        k = t.numel() * t.element_size()
+        buf[pos: pos + k].view(t.dtype).view(t.shape).copy_(t)
+        pos += k
+    return time.perf_counter() - t0
+
+
+def _moe_rank(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1800))
+    try:
+        q.put((rank, _moe_run(rank, world, root, cfg, dist)))
+    except BaseException as e:  # report, so that the launcher does not wait forever
+        import traceback
+
+        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+def _moe_run(rank: int, world: int, root: str, cfg: Dict[str, Any], dist: Any) -> List[Dict[str, Any]]:
+    import torch
+
+    import nostall
+    from nostall.core.format import MANIFEST_NAME, Manifest
+    from nostall.core.model import flatten
+    from nostall.planning.plan import build_plan, local_meta
+
+    points = []
+    for n in cfg["tensors"]:
+        state, tensors, nbytes = _moe_state(rank, world, n, cfg["kib"])
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf.zero_()  # touched: the copy floor pays no page faults
+
+        d = os.path.join(root, f"moe-{n}")
+        mgr = nostall.CheckpointManager(d, async_save=True, keep_last=2)
+        res: Dict[str, Any] = {"tensors": n, "bytes_per_rank": nbytes, "stall_s": [], "plan_s": [], "stage_s": [],
+                               "copy_floor_s": [], "breakdown": {}}
+        for rep in range(cfg["reps"] + 1):
+            dist.barrier()
+            floor = _copy_floor(tensors, buf)
+            mgr.finalize_pending_saves()  # the previous save is finalized before the timer
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = mgr.save(rep, state)
+            stall = time.perf_counter() - t0
+            st = h.stats
+            assert st is not None
+            if cfg["progress"] and rank == 0:
+                _say(True, f"moe {n} tensors {'first save' if rep == 0 else f'rep {rep}'}: stall "
+                           f"{stall * 1e3:.1f} ms (plan {st.plan_s * 1e3:.1f} ms{' cached' if st.plan_cached else ''}, "
+                           f"copy {st.stage_s * 1e3:.1f} ms), copy floor {floor * 1e3:.1f} ms")
+            if rep == 0:
+                res["first_save"] = {"stall_s": stall, "plan_s": st.plan_s, "stage_s": st.stage_s}
+                continue
+            res["stall_s"].append(stall)
+            res["plan_s"].append(st.plan_s)
+            res["stage_s"].append(st.stage_s)
+            res["copy_floor_s"].append(floor)
+            res["plan_cached"] = st.plan_cached
+        mgr.finalize_pending_saves()
+        # where the metadata work of a save goes, step by step, outside a save
+        bd: Dict[str, List[float]] = {k: [] for k in ("flatten_s", "local_meta_s", "signature_s", "gather_s",
+                                                       "build_plan_s")}
+        for _ in range(cfg["reps"]):
+            dist.barrier()
+            t, flat = _timed(flatten, state)
+            bd["flatten_s"].append(t)
+            t, meta = _timed(local_meta, flat)
+            bd["local_meta_s"].append(t)
+            bd["signature_s"].append(_timed(meta.signature)[0])
+            gathered: List[Any] = [None] * world
+            dist.barrier()
+            bd["gather_s"].append(_timed(dist.all_gather_object, gathered, meta)[0])
+            bd["build_plan_s"].append(_timed(build_plan, gathered)[0])
+        res["breakdown"] = bd
+        step = mgr.latest_step()
+        with open(os.path.join(d, f"step_{step}", MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        res["manifest_bytes"] = len(raw)
+        res["parse_s"] = [_timed(Manifest.from_json_bytes, raw, "m")[0] for _ in range(max(1, cfg["reps"]))]
+        mgr.close()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(d, ignore_errors=True)
+        points.append(res)
+        del state, tensors, buf
+    return points
+
+
+def bench_moe(ranks: int, tensors_list: Sequence[int], kib: Tuple[float, float], reps: int, root: str,
+              progress: bool = False, timeout: float = 3600.0) -> List[Dict[str, Any]]:
+    """Spawn ``ranks`` gloo ranks; rank 0's points (one per tensor count), the slowest rank's stall beside."""
+
+    cfg = {"tensors": list(tensors_list), "kib": kib, "reps": max(1, reps), "progress": progress}
+    per_rank = gather_ranks(_moe_rank, ranks, root, cfg, timeout, "moe benchmark")
+    points = per_rank[0]
+    for i, p in enumerate(points):
+        p["slowest_rank_stall_s"] = [max(per_rank[r][i]["stall_s"][k] for r in per_rank)
+                                     for k in range(len(p["stall_s"]))]
+    return points
+
+
+# --------------------------------------------------------------------------- resharded loads as pieces grow
+
+
+def write_pieces_checkpoint(path: str, tensors: Dict[str, Any], pieces: int, block_size: int) -> Dict[str, Any]:
+    """Write, at ``path``, the checkpoint ``pieces`` ranks would save holding ``pieces`` row blocks of
+    every tensor: planned by :func:`~nostall.planning.plan.build_plan` from their metadata, files laid out by
+    the plan, checksums and manifest as the format says. Returns the plan."""
+    from nostall.core.dtypes import dtype_code
+    from nostall.core.tensorbuf import byte_view
+    from nostall.core.format import MANIFEST_NAME, block_crcs
+    from nostall.planning.plan import RankMeta, TensorMeta, build_plan
+    from nostall.saving.saver import manifest_skeleton
+
+    metas = []
+    for r in range(pieces):
+        ts = []
+        for k, t in tensors.items():
+            rows = t.shape[0] // pieces
+            ts.append(TensorMeta(k, str(dtype_code(t.dtype)), tuple(t.shape), (rows * r,) + (0,) * (t.dim() - 1),
+                                 (rows,) + tuple(t.shape[1:]), True, True))
+        metas.append(RankMeta(tuple(ts), ()))
+    plan = build_plan(metas)
+    os.makedirs(path, exist_ok=True)
+    crcs = {}
+    for f in plan.files.values():
+        with open(os.path.join(path, f.name), "wb") as out:
+            out.write(f.header)
+            for it in f.items:
+                t = tensors[it.key]
+                rows = t.shape[0] // pieces
+                part = t.narrow(0, it.offset[0], rows).contiguous()
+                data = byte_view(part)
+                assert out.tell() == it.start and len(data) == it.end - it.start
+                out.write(data)
+                crcs[(f.name, it.start, it.end)] = block_crcs(data, block_size)
+    m = manifest_skeleton(plan, {}, [{} for _ in range(pieces)], None, block_size).with_crcs(crcs)
+    with open(os.path.join(path, MANIFEST_NAME), "wb") as out:
+        out.write(m.to_json_bytes())
+    return {"plan": plan}
+
+
+def _load_each(templates: Sequence[Any], path: str) -> None:
+    """Load every template (the ranks of a resharded load, one after the other)."""
+    import nostall
+
+    for t in templates:
+        nostall.load(t, path)
+
+
+def _raw_read(paths: Sequence[str], buf: Any) -> float:
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t0
+
+
+def bench_load(pieces_list: Sequence[int], mb: int, n_tensors: int, reps: int, root: str,
+               progress: bool = False) -> List[Dict[str, Any]]:
+    """One point per piece count: the loads of the checkpoint :func:`write_pieces_checkpoint` writes."""
+    import torch
+
+    import nostall
+    from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest
+    from nostall.core.model import ShardedTensor
+
+    cols = 1024
+    rows = max(max(pieces_list), (mb << 20) // (4 * cols * n_tensors))
+    rows -= rows % max(pieces_list)
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"w{i}": torch.randn((rows, cols), generator=g) for i in range(n_tensors)}
+    nbytes = sum(t.numel() * 4 for t in tensors.values())
+    buf = memoryview(bytearray(8 << 20))
+    points = []
+    for pieces in pieces_list:
+        if rows % pieces:
+            raise ValueError(f"{rows} rows do not split into {pieces} pieces")
+        _say(progress, f"load: {n_tensors} tensors x {rows} x {cols} fp32 ({nbytes / 2**20:.0f} MiB) in {pieces} "
+                       "pieces each")
+        path = os.path.join(root, f"pieces-{pieces}")
+        write_pieces_checkpoint(path, tensors, pieces, DEFAULT_BLOCK_SIZE)
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+        h = rows // pieces
+        sample = sorted({0, pieces // 3, (2 * pieces) // 3, pieces - 1})
+
+        def full() -> Dict[str, Any]:
+            return {k: torch.empty((rows, cols)) for k in tensors}
+
+        def halves(i: int) -> Dict[str, Any]:
+            half = cols // 2
+            return {k: ShardedTensor(torch.empty((rows, half)), (rows, cols), (0, half * i)) for k in tensors}
+
+        def own(r: int, h: int = h) -> Dict[str, Any]:
+            return {k: ShardedTensor(torch.empty((h, cols)), (rows, cols), (h * r, 0)) for k in tensors}
+
+        # correctness once, outside the timers
+        out = nostall.load(full(), path)
+        assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+        res: Dict[str, Any] = {"pieces": pieces, "tensors": n_tensors, "bytes": nbytes, "raw_read_s": [],
+                               "full_s": [], "resharded_s": [], "same_layout_rank_s": [], "raw_read_rank_s": [],
+                               "rank_bytes": h * cols * 4 * n_tensors}
+        for _ in range(max(1, reps)):
+            res["raw_read_s"].append(_raw_read(files, buf))
+            t_full, _ = _timed(nostall.load, full(), path)
+            res["full_s"].append(t_full)
+            tmpl = [halves(0), halves(1)]
+            res["resharded_s"].append(_timed(_load_each, tmpl, path)[0])
+            per_rank, raw_rank = [], []
+            for r in sample:
+                tm = own(r)
+                per_rank.append(_timed(nostall.load, tm, path)[0])
+                raw_rank.append(_raw_read([os.path.join(path, f"rank{r}.safetensors")], buf))
+            res["same_layout_rank_s"].append(_med(per_rank))
+            res["raw_read_rank_s"].append(_med(raw_rank))
+        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        res["manifest_bytes"] = len(raw)
+        res["parse_s"] = [_timed(Manifest.from_json_bytes, raw, "m")[0] for _ in range(max(1, reps))]
+        _say(progress, f"  raw read {_med(res['raw_read_s']) * 1e3:.0f} ms, full {_med(res['full_s']) * 1e3:.0f} ms, "
+                       f"resharded {_med(res['resharded_s']) * 1e3:.0f} ms, one rank's pieces "
+                       f"{_med(res['same_layout_rank_s']) * 1e3:.1f} ms")
+        shutil.rmtree(path, ignore_errors=True)
+        points.append(res)
+    return points
+
+
+# --------------------------------------------------------------------------- the whole run, table, plots
+
+
+def run_scale(parts: Sequence[str] = PARTS, ranks_list: Sequence[int] = (8, 64, 256, 1024),
+              tensors_list: Sequence[int] = (100, 1000), moe_ranks: int = 2,
+              moe_tensors: Sequence[int] = (100, 1000, 10000), moe_kib: Tuple[float, float] = (2, 128),
+              pieces_list: Sequence[int] = (2, 8, 64, 256, 1024), load_mb: int = 64, load_tensors: int = 4,
+              reps: int = 3, root: Optional[str] = None, progress: bool = False) -> Dict[str, Any]:
+    """Run the chosen parts; returns the JSON-able result (schema in docs/benchmarks.md)."""
+    import torch
+
+    own = root is None
+    root = root or tempfile.mkdtemp(prefix="nostall-scale-")
+    out: Dict[str, Any] = {
+        "config": {"parts": list(parts), "ranks": list(ranks_list), "tensors": list(tensors_list),
+                   "moe_ranks": moe_ranks, "moe_tensors": list(moe_tensors), "moe_kib": list(moe_kib),
+                   "pieces": list(pieces_list), "load_mb": load_mb, "load_tensors": load_tensors, "reps": reps},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        if "planning" in parts:
+            out["planning"] = bench_planning(ranks_list, tensors_list, reps, progress)
+        if "moe" in parts:
+            out["moe"] = {"ranks": moe_ranks,
+                          "points": bench_moe(moe_ranks, moe_tensors, moe_kib, reps, root, progress)}
+        if "load" in parts:
+            out["load"] = bench_load(pieces_list, load_mb, load_tensors, reps, root, progress)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def format_table(out: Dict[str, Any]) -> str:
+    """The figures as text tables (medians)."""
+    lines: List[str] = [f"nostall bench scale, {out['date']}, {out['machine']['cpus']} CPUs, "
+                        f"torch {out['machine']['torch']} (medians of {out['config']['reps']} repetitions)"]
+    if out.get("planning"):
+        lines += ["", "planning from synthetic metadata (one rank's work; signature: per rank)",
+                  f"{'ranks':>6}{'tensors':>8}{'pieces':>9}{'plan ms':>10}{'sig ms':>8}{'decode ms':>11}"
+                  f"{'skeleton ms':>13}{'encode ms':>11}{'manifest MiB':>14}{'parse ms':>10}"]
+        for p in out["planning"]:
+            lines.append(f"{p['ranks']:>6}{p['tensors']:>8}{p['pieces']:>9}{_med(p['plan_s']) * 1e3:>10.1f}"
+                         f"{p['signature_s'] * 1e3:>8.2f}{p['gather_decode_s'] * 1e3:>11.1f}"
+                         f"{(p['skeleton_s'] + p['with_crcs_s']) * 1e3:>13.1f}{p['encode_s'] * 1e3:>11.1f}"
+                         f"{p['manifest_bytes'] / 2**20:>14.2f}{_med(p['parse_s']) * 1e3:>10.1f}")
+    moe = out.get("moe")
+    if moe:
+        lines += ["", f"many small tensors: {moe['ranks']} ranks, async save (steady state; rank 0)",
+                  f"{'tensors':>8}{'MiB/rank':>9}{'stall ms':>10}{'plan ms':>9}{'copy ms':>9}{'floor ms':>10}"
+                  f"{'stall/floor':>12}{'first ms':>10}{'flatten':>9}{'meta':>7}{'sig':>7}{'gather':>8}{'plan':>7}"
+                  f"{'manifest KiB':>13}{'parse ms':>10}"]
+        for p in moe["points"]:
+            bd = {k: _med(v) * 1e3 for k, v in p["breakdown"].items()}
+            stall, floor = _med(p["stall_s"]), _med(p["copy_floor_s"])
+            lines.append(f"{p['tensors']:>8}{p['bytes_per_rank'] / 2**20:>9.1f}{stall * 1e3:>10.1f}"
+                         f"{_med(p['plan_s']) * 1e3:>9.1f}{_med(p['stage_s']) * 1e3:>9.1f}{floor * 1e3:>10.1f}"
+                         f"{stall / floor if floor else float('nan'):>12.2f}{p['first_save']['stall_s'] * 1e3:>10.1f}"
+                         f"{bd['flatten_s']:>9.1f}{bd['local_meta_s']:>7.1f}{bd['signature_s']:>7.1f}"
+                         f"{bd['gather_s']:>8.1f}{bd['build_plan_s']:>7.1f}{p['manifest_bytes'] / 1024:>13.0f}"
+                         f"{_med(p['parse_s']) * 1e3:>10.1f}")
+        lines.append("  (flatten .. plan: ms of each metadata step of a save, timed apart; a cached plan skips "
+                     "gather and plan)")
+    if out.get("load"):
+        lines += ["", "loads as the pieces per tensor grow (one process; page cache warm)",
+                  f"{'pieces':>7}{'MiB':>6}{'raw ms':>8}{'full ms':>9}{'x raw':>7}{'reshard ms':>11}{'x raw':>7}"
+                  f"{'rank ms':>9}{'rank raw':>9}{'manifest KiB':>13}{'parse ms':>10}"]
+        for p in out["load"]:
+            raw = _med(p["raw_read_s"])
+            lines.append(f"{p['pieces']:>7}{p['bytes'] / 2**20:>6.0f}{raw * 1e3:>8.1f}{_med(p['full_s']) * 1e3:>9.1f}"
+                         f"{_med(p['full_s']) / raw:>7.2f}{_med(p['resharded_s']) * 1e3:>11.1f}"
+                         f"{_med(p['resharded_s']) / raw:>7.2f}{_med(p['same_layout_rank_s']) * 1e3:>9.2f}"
+                         f"{_med(p['raw_read_rank_s']) * 1e3:>9.2f}{p['manifest_bytes'] / 1024:>13.0f}"
+                         f"{_med(p['parse_s']) * 1e3:>10.1f}")
+    return "\n".join(lines)
+
+
+def plot_paths(target: str) -> Dict[str, str]:
+    """Where each part's plot goes: ``<dir>/scale-<part>.png`` for a directory, else ``<prefix>-<part>.png``."""
+    if os.path.isdir(target):
+        return {p: os.path.join(target, f"scale-{p}.png") for p in PARTS}
+    return {p: f"{target}-{p}.png" for p in PARTS}
+
+
+def plot(out: Dict[str, Any], target: str) -> List[str]:
+    """Draw each measured part's curves; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = plot_paths(target)
+    written = []
+    if out.get("planning"):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for tensors in sorted({p["tensors"] for p in out["planning"]}):
+            pts = [p for p in out["planning"] if p["tensors"] == tensors]
+            x = [p["ranks"] for p in pts]
+            axes[0].plot(x, [_med(p["plan_s"]) for p in pts], "o-", label=f"build_plan, {tensors} tensors")
+            axes[0].plot(x, [p["gather_decode_s"] for p in pts], "s--", label=f"decode gathered metadata, {tensors}")
+            axes[1].plot(x, [p["encode_s"] + p["skeleton_s"] + p["with_crcs_s"] for p in pts], "o-",
+                         label=f"manifest build + encode, {tensors}")
+            axes[1].plot(x, [_med(p["parse_s"]) for p in pts], "s--", label=f"manifest parse, {tensors}")
+        axes[0].axhline(1.0, color="tab:red", linestyle=":", label="goal: 1 s")
+        for ax, title in ((axes[0], "planning time"), (axes[1], "manifest")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("ranks")
+            ax.set_ylabel("seconds (median)")
+            ax.set_title(title)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(paths["planning"], dpi=100)
+        plt.close(fig)
+        written.append(paths["planning"])
+    moe = out.get("moe")
+    if moe:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        pts = moe["points"]
+        x = [p["tensors"] for p in pts]
+        ax.plot(x, [_med(p["stall_s"]) for p in pts], "o-", label="async save stall")
+        ax.plot(x, [_med(p["plan_s"]) for p in pts], "s-", label="its plan share")
+        floor = [_med(p["copy_floor_s"]) for p in pts]
+        ax.plot(x, floor, "k--", label="copy floor")
+        ax.plot(x, [2 * f for f in floor], "r:", label="goal: 2 x copy floor")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tensors per rank")
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(f"many small tensors, {moe['ranks']} ranks")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(paths["moe"], dpi=100)
+        plt.close(fig)
+        written.append(paths["moe"])
+    if out.get("load"):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        pts = out["load"]
+        x = [p["pieces"] for p in pts]
+        for field, label, style in (("raw_read_s", "raw read of the files", "k--"), ("full_s", "load as full tensors",
+                                                                                      "o-"),
+                                    ("resharded_s", "load as halves across the pieces", "s-")):
+            ax.plot(x, [_med(p[field]) for p in pts], style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("pieces per tensor")
+        ax.set_ylabel("seconds (median)")
+        ax.set_title(f"loads, {pts[0]['tensors']} tensors, {pts[0]['bytes'] / 2**20:.0f} MiB")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(paths["load"], dpi=100)
+        plt.close(fig)
+        written.append(paths["load"])
+    return written
+
+
+def _ints(text: str) -> List[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``nostall bench scale [options]``."""
+    ap = argparse.ArgumentParser(prog="nostall bench scale",
+                                 description="Cost as the work grows: planning from synthetic metadata, async saves "
+                                             "of many small tensors against the copy floor, manifest size and parse "
+                                             "time, loads as the pieces per tensor grow. Progress on stderr, tables "
+                                             "on stdout.")
+    ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of %(default)s")
+    ap.add_argument("--ranks", default="8,64,256,1024", metavar="LIST",
+                    help="planning: simulated ranks (default: %(default)s)")
+    ap.add_argument("--tensors", default="100,1000", metavar="LIST",
+                    help="planning: tensors per rank (default: %(default)s)")
+    ap.add_argument("--moe-ranks", type=int, default=2, metavar="N", help="moe: gloo ranks (default: %(default)s)")
+    ap.add_argument("--moe-tensors", default="100,1000,10000", metavar="LIST",
+                    help="moe: small tensors per rank (default: %(default)s)")
+    ap.add_argument("--moe-kib", default="2,128", metavar="MIN,MAX",
+                    help="moe: tensor sizes, log-spaced between these KiB (default: %(default)s)")
+    ap.add_argument("--pieces", default="2,8,64,256,1024", metavar="LIST",
+                    help="load: pieces per tensor (default: %(default)s)")
+    ap.add_argument("--load-mb", type=int, default=64, metavar="MIB", help="load: MiB in all (default: %(default)s)")
+    ap.add_argument("--load-tensors", type=int, default=4, metavar="N", help="load: tensors (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=3, metavar="N", help="timed repetitions (default: %(default)s)")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")
+    ap.add_argument("--json", default=None, help="write every figure to this file")
+    ap.add_argument("--plot", default=None, metavar="PREFIX|DIR",
+                    help="draw the curves: PREFIX-<part>.png, or DIR/scale-<part>.png for a directory")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = ap.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {bad}; choose from {PARTS}")
+    kib = [float(x) for x in args.moe_kib.split(",")]
+    if len(kib) != 2 or not 0 < kib[0] <= kib[1]:
+        ap.error("--moe-kib takes MIN,MAX with 0 < MIN <= MAX")
+    out = run_scale(parts, _ints(args.ranks), _ints(args.tensors), args.moe_ranks, _ints(args.moe_tensors),
+                    (kib[0], kib[1]), _ints(args.pieces), args.load_mb, args.load_tensors, args.reps, args.dir,
+                    progress=not args.quiet)
+    print(format_table(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.plot:
+        for p in plot(out, args.plot):
+            print(f"plot: {p}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
