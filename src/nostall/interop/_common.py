@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -22,12 +21,12 @@ import torch
 
 from nostall.core.boxes import cover_problem
 from nostall.core.tensorbuf import byte_view
-from nostall.saving.commit import SoloBarrier, run_job
+from nostall.saving.solo import save_solo, solo_destination
 from nostall.saving.datafiles import write_files
-from nostall.core.jobs import Destination, FileJob, SaveJob
+from nostall.core.jobs import FileJob
 from nostall.options import check_block_size
 from nostall.storage.locate import split_checkpoint
-from nostall.errors import CheckpointError, CheckpointLoadError, CheckpointSaveError, describe
+from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import (
     DEFAULT_BLOCK_SIZE,
     FileEntry,
@@ -40,7 +39,8 @@ from nostall.core.format import (
     layout_file,
     piece_name,
 )
-from nostall.loading.reader import _execute, _open_files, _plan_reads, _Read, _Verifier, read_manifest
+from nostall.loading.engine import Read, Verifier, execute, in_file_order, open_files, plan_reads
+from nostall.loading.reader import read_manifest
 from nostall.core.dtypes import torch_dtype
 from nostall.core.model import escape_component, numel
 
@@ -98,7 +98,7 @@ class _Source:
         self.path = path
         self.verify = verify
         self.manifest = manifest if manifest is not None else read_manifest(path, storage_options)
-        self.files = _open_files(path, self.manifest, storage_options)
+        self.files = open_files(path, self.manifest, storage_options)
 
     def record(self, key: str) -> TensorRecord:
         rec = self.manifest.tensors.get(key)
@@ -123,12 +123,11 @@ class _Source:
             raise CheckpointLoadError(
                 f"key {key!r}: the checkpoint holds {torch_dtype(rec.dtype)}, the destination is {dest.dtype}"
             )
-        reads: List[_Read] = []
-        _plan_reads(rec, dest, off, reads)
-        reads.sort(key=lambda r: (r.piece.file, r.piece.start))
-        with torch.no_grad(), _Verifier(self.verify) as checks:
-            for r in reads:
-                _execute(r, self.files, self.manifest, checks)
+        reads: List[Read] = []
+        plan_reads(rec, dest, off, reads)
+        with torch.no_grad(), Verifier(self.verify) as checks:
+            for r in in_file_order(reads):
+                execute(r, self.files, self.manifest, checks)
             checks.finish()
 
     def read_new(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -202,17 +201,9 @@ class TensorSource:
     pieces: List[PieceSource]
 
 
-def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[str, Any], *,
-                     block_size: int = DEFAULT_BLOCK_SIZE, progress: Optional[Progress] = None) -> Manifest:
-    """Write a one-shot checkpoint (world size 1) at ``dst``, one piece in memory at a time.
-
-    The data file is laid out from the pieces' metadata first, then each
-    piece is produced, checksummed and written in file order, by the save job
-    and commit routine every save runs (:func:`nostall.saving.commit.run_job`), so
-    the checkpoint appears only once complete. Pieces with no elements are left out.
-    """
-    block_size = check_block_size(block_size)
-    fname = data_file_name(0)
+def _lay_out(tensors: Sequence[TensorSource]) -> Tuple[List[FileEntry], Dict[str, Tuple[TensorSource, PieceSource]]]:
+    """The entries of the one data file, in the tensors' order, and the piece each comes from (by
+    entry name). Pieces with no elements are left out; two pieces of a key at one offset are refused."""
     entries: List[FileEntry] = []
     where_of: Dict[str, Tuple[TensorSource, PieceSource]] = {}
     for t in tensors:
@@ -225,9 +216,13 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
                 raise CheckpointSaveError(f"key {t.key!r}: two pieces at offset {list(p.offset)}")
             entries.append(FileEntry(name, t.dtype, tuple(p.shape), numel(p.shape) * isz))
             where_of[name] = (t, p)
-    header, where, size = layout_file(entries, {"format": "nostall", "rank": "0", "world_size": "1"})
-    order = sorted(where, key=lambda n: where[n][0])
+    return entries, where_of
 
+
+def _tensor_records(dst: str, tensors: Sequence[TensorSource], where: Dict[str, Tuple[int, int]],
+                    fname: str) -> Dict[str, TensorRecord]:
+    """The manifest's record of each tensor, its pieces where ``where`` lays them out in ``fname``
+    (no checksums yet); refused unless the pieces tile the tensor."""
     recs: Dict[str, TensorRecord] = {}
     for t in tensors:
         pieces = []
@@ -241,39 +236,51 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
             raise CheckpointSaveError(f"writing {dst}: key {t.key!r}: {problem}")
         whole = len(pieces) == 1 and pieces[0].shape == tuple(t.shape)
         recs[t.key] = TensorRecord(t.key, t.dtype, tuple(t.shape), not whole and bool(t.shape), tuple(pieces))
+    return recs
+
+
+def _parts(order: Sequence[str], where_of: Dict[str, Tuple[TensorSource, PieceSource]],
+           where: Dict[str, Tuple[int, int]], progress: Optional[Progress]) -> Iterator[Tuple[int, memoryview]]:
+    """Each piece produced, checked and handed over in file ``order``: (offset in the file, bytes)."""
+    for name in order:
+        t, p = where_of[name]
+        data = p.produce()
+        if tuple(data.shape) != tuple(p.shape) or data.dtype != torch_dtype(t.dtype):
+            raise CheckpointSaveError(
+                f"key {t.key!r}: piece at {list(p.offset)} produced {data.dtype} {list(data.shape)}, "
+                f"expected {torch_dtype(t.dtype)} {list(p.shape)}"
+            )
+        data = data.detach().contiguous()
+        buf = byte_view(data)
+        yield where[name][0], buf
+        if progress is not None:
+            progress.advance(len(buf))
+        del buf, data
+
+
+def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[str, Any], *,
+                     block_size: int = DEFAULT_BLOCK_SIZE, progress: Optional[Progress] = None) -> Manifest:
+    """Write a one-shot checkpoint (world size 1) at ``dst``, one piece in memory at a time.
+
+    The data file is laid out from the pieces' metadata first, then each
+    piece is produced, checksummed and written in file order by the solo save
+    (:func:`nostall.saving.solo.save_solo`: the save job and commit routine
+    every save runs), so the checkpoint appears only once complete. Pieces
+    with no elements are left out.
+    """
+    block_size = check_block_size(block_size)
+    fname = data_file_name(0)
+    entries, where_of = _lay_out(tensors)
+    header, where, size = layout_file(entries, {"format": "nostall", "rank": "0", "world_size": "1"})
+    order = sorted(where, key=lambda n: where[n][0])
     files = {fname: FileRecord(fname, 0, size)} if entries else {}
-    manifest = Manifest(step=None, world_size=1, block_size=block_size, files=files, tensors=recs,
-                        objects=dict(objects), per_rank=(RankRecord({}, {}),))
-
-    def parts() -> Iterator[Tuple[int, memoryview]]:
-        for name in order:
-            t, p = where_of[name]
-            data = p.produce()
-            if tuple(data.shape) != tuple(p.shape) or data.dtype != torch_dtype(t.dtype):
-                raise CheckpointSaveError(
-                    f"key {t.key!r}: piece at {list(p.offset)} produced {data.dtype} {list(data.shape)}, "
-                    f"expected {torch_dtype(t.dtype)} {list(p.shape)}"
-                )
-            data = data.detach().contiguous()
-            buf = byte_view(data)
-            yield where[name][0], buf
-            if progress is not None:
-                progress.advance(len(buf))
-            del buf, data
-
+    manifest = Manifest(step=None, world_size=1, block_size=block_size, files=files,
+                        tensors=_tensor_records(dst, tensors, where, fname), objects=dict(objects),
+                        per_rank=(RankRecord({}, {}),))
     root, name = split_checkpoint(os.fspath(dst))
-    dest = Destination(root, name, None, uuid.uuid4().hex)
-    try:
-        root.make_staging(dest)
-    except CheckpointError:
-        raise
-    except OSError as e:
-        raise CheckpointSaveError(f"cannot write {dst}: {describe(e)}") from None
-    job = SaveJob(dest, 0, 1, (FileJob(fname, 0, size, len(header), tuple(sorted(where.values()))),) if entries else (),
-                  block_size, timeout=float("inf"), manifest=manifest)
-    result = run_job(job, write_files(lambda i, f: (memoryview(header), parts())), SoloBarrier())
-    if not result.ok:
-        raise CheckpointSaveError(f"writing {dst} failed: {result.error}")
+    jobs = (FileJob(fname, 0, size, len(header), tuple(sorted(where.values()))),) if entries else ()
+    save_solo(dst, solo_destination(root, name), manifest, jobs,
+              write_files(lambda i, f: (memoryview(header), _parts(order, where_of, where, progress))))
     return read_manifest(os.fspath(dst))
 
 

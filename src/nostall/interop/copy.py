@@ -41,14 +41,14 @@ from __future__ import annotations
 
 import os
 import stat
-import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from nostall.storage.locate import resolve, split_checkpoint
 from nostall.storage.root import Root
 from nostall.storage import remote
-from nostall.saving.commit import SoloBarrier, run_job
+from nostall.saving.datafiles import Writer
+from nostall.saving.solo import save_solo, solo_destination
 from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from nostall.core.format import (
     FileRecord,
@@ -64,7 +64,8 @@ from nostall.core.format import (
     piece_name,
 )
 from nostall.core.jobs import Destination, FileJob, SaveJob, Written
-from nostall.loading.reader import _open_files, read_manifest, read_side_file, verify_window
+from nostall.loading.engine import DataFiles, open_files, verify_window
+from nostall.loading.reader import read_manifest, read_side_file
 from nostall.storage.files import FileWriter
 
 __all__ = ["CopyReport", "copy_checkpoint"]
@@ -111,6 +112,12 @@ class _Out:
     name: str  # its safetensors entry in DST
     start: int = 0  # where it lands in DST's file (absolute), once laid out
     end: int = 0
+
+
+_Plan = Dict[int, Dict[Tuple[str, int, int], _Out]]
+"""Per rank of DST's files: each distinct piece of SRC (file, start, end) -> where it goes."""
+_Entries = Dict[int, Tuple[bytes, int, List[_Out]]]
+"""Per rank of DST's files: the file's header, its size, its pieces in file order."""
 
 
 def _place(path: str, *, follow_last: bool) -> str:
@@ -176,10 +183,10 @@ def _records(m: Manifest) -> List[Tuple[TensorRecord, bool]]:
     return out
 
 
-def _plan(m: Manifest) -> Dict[int, Dict[Tuple[str, int, int], _Out]]:
+def _plan(m: Manifest) -> _Plan:
     """Per rank of DST's files: each distinct piece of SRC (file, start, end) and its entry name."""
     files = m.all_files()
-    by_rank: Dict[int, Dict[Tuple[str, int, int], _Out]] = {}
+    by_rank: _Plan = {}
     names: Dict[int, Set[str]] = {}
     for rec, is_global in _records(m):
         for p in rec.pieces:
@@ -244,7 +251,7 @@ def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
     return False
 
 
-def _copy_piece(files: Any, o: _Out, out: FileWriter, buf: memoryview, block_size: int, where: str) -> None:
+def _copy_piece(files: DataFiles, o: _Out, out: FileWriter, buf: memoryview, block_size: int, where: str) -> None:
     """Copy one piece from SRC to the end of ``out``, every block checked against its checksum first."""
     p = o.src
     window = len(buf)
@@ -298,8 +305,34 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         >>> nostall.load({"frozen": torch.empty(1000), "w": torch.empty(4)}, os.path.join(d, "mine"))["w"]
         tensor([2., 2., 2., 2.])
     """
-    so = storage_options
     dso = dst_storage_options if dst_storage_options is not None else storage_options
+    src_path, dst, m, dest = _endpoints(src, dst, overwrite, storage_options, dso)
+    plan = _plan(m)
+    entries = _lay_out(m, plan)
+    side = tuple((r.name, read_side_file(src_path, r, storage_options))
+                 for r in sorted(m.side_files.values(), key=lambda r: r.name))
+    manifest = _skeleton(m, plan, entries, _side_records(m, side, dest))
+    jobs = tuple(FileJob(data_file_name(r), 0, size, len(header), tuple((o.start, o.end) for o in order))
+                 for r, (header, size, order) in sorted(entries.items()))
+    total = sum(o.src.nbytes for _, _, order in entries.values() for o in order)
+    write = _writer(src_path, m, storage_options, entries, total, progress)
+    save_solo(dst, dest, manifest, jobs, write, side_files=side, what=f"copy of {src_path} to {dst}",
+              keep_errors=(CheckpointError,))  # a damaged source is reported as it is
+    used = {k for outs in plan.values() for k in outs}
+    own = sum(e - s for f, s, e in used if "/" not in f)
+    return CopyReport(
+        src=src_path, dst=dst, files=sorted(read_manifest(dst, dso).files), bytes=total, own_bytes=own,
+        referenced_bytes=total - own, referenced=sorted(n for n in m.all_files() if "/" in n), side_files=len(side),
+    )
+
+
+def _endpoints(src: str, dst: str, overwrite: bool, so: Optional[Dict[str, Any]],
+               dso: Optional[Dict[str, Any]]) -> Tuple[str, str, Manifest, Destination]:
+    """The checkpoint to copy (its path and manifest), DST as the copy names it, and where the copy
+    goes: every refusal of a DST (:func:`_check_apart`, :func:`_check_destination`) before anything
+    is written. A new directory gets plain names (rank0.safetensors, config.json: as nostall.save
+    writes them); replacing a checkpoint, names carry the copy's id, so that none is a name the
+    replaced one used (object storage: always)."""
     sroot, sname, _ = resolve(os.fspath(src), storage_options=so)
     src_path = sroot.path(sname)
     dst = os.fspath(dst)
@@ -309,9 +342,13 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
     _check_apart(src_path, dst, m, so, dso)
     droot, dname = split_checkpoint(dst, dso)
     replacing = _check_destination(dst, droot, dname, overwrite, dso)
+    return src_path, dst, m, solo_destination(droot, dname, m.step, tagged=replacing)
 
-    plan = _plan(m)
-    entries: Dict[int, Tuple[bytes, int, List[_Out]]] = {}
+
+def _lay_out(m: Manifest, plan: _Plan) -> _Entries:
+    """Per rank of DST's files: the file's header and size, and its pieces in file order (each
+    :class:`_Out` given its place), laid out as the planner lays a save's file out."""
+    entries: _Entries = {}
     for rank, outs in sorted(plan.items()):
         order = list(outs.values())
         header, ranges, size = layout_entries(
@@ -320,14 +357,25 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         for o, (a, b) in zip(order, ranges):
             o.start, o.end = a, b
         entries[rank] = (header, size, sorted(order, key=lambda o: o.start))
+    return entries
 
-    # a new directory gets plain names (rank0.safetensors, config.json: as nostall.save writes them); replacing a
-    # checkpoint, names carry the copy's id, so that none is a name the replaced one used (object storage: always)
-    dest = Destination(droot, dname, m.step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=replacing)
 
-    def moved(t: TensorRecord, rank_of: Dict[str, int]) -> TensorRecord:
-        # the skeleton names each piece where it is planned (rank<N>.safetensors); the commit puts the stored
-        # names in from what was written (Manifest.with_placed), as for a save
+def _side_records(m: Manifest, side: Tuple[Tuple[str, bytes], ...], dest: Destination) -> Dict[str, SideFileRecord]:
+    """The manifest's record of each side file copied, under the name DST stores it by."""
+    side_recs = {}
+    for n, data in side:
+        s = dest.root.data_name(dest, n)
+        side_recs[n] = SideFileRecord(n, len(data), m.side_files[n].crc32c, "" if s == n else s)
+    return side_recs
+
+
+def _skeleton(m: Manifest, plan: _Plan, entries: _Entries, side_recs: Dict[str, SideFileRecord]) -> Manifest:
+    """DST's manifest skeleton: SRC's, every piece moved to where DST's files hold it. The skeleton
+    names each piece where it is planned (rank<N>.safetensors); the commit puts the stored names in
+    from what was written (Manifest.with_placed), as for a save."""
+    rank_of = {n: f.rank for n, f in m.all_files().items()}
+
+    def moved(t: TensorRecord) -> TensorRecord:
         pieces = []
         for p in t.pieces:
             r = rank_of[p.file]
@@ -335,28 +383,25 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
             pieces.append(PieceRecord(p.offset, p.shape, data_file_name(r), o.start, o.end, p.crc32c))
         return replace(t, pieces=tuple(pieces))
 
-    rank_of = {n: f.rank for n, f in m.all_files().items()}
-    side = tuple((r.name, read_side_file(src_path, r, so)) for r in sorted(m.side_files.values(), key=lambda r: r.name))
-    side_recs = {}
-    for n, data in side:
-        s = droot.data_name(dest, n)
-        side_recs[n] = SideFileRecord(n, len(data), m.side_files[n].crc32c, "" if s == n else s)
-    manifest = Manifest(
+    return Manifest(
         step=m.step, world_size=m.world_size, block_size=m.block_size,
         files={data_file_name(r): FileRecord(data_file_name(r), r, size) for r, (_, size, _) in entries.items()},
-        tensors={k: moved(t, rank_of) for k, t in m.tensors.items()},
+        tensors={k: moved(t) for k, t in m.tensors.items()},
         objects=m.objects,
-        per_rank=tuple(RankRecord({k: moved(t, rank_of) for k, t in r.tensors.items()}, r.objects)
-                       for r in m.per_rank),
+        per_rank=tuple(RankRecord({k: moved(t) for k, t in r.tensors.items()}, r.objects) for r in m.per_rank),
         side_files=side_recs,
     )
-    total = sum(o.src.nbytes for _, _, order in entries.values() for o in order)
+
+
+def _writer(src_path: str, m: Manifest, so: Optional[Dict[str, Any]], entries: _Entries, total: int,
+            progress: Optional[ProgressFn]) -> Writer:
+    """The copy's writer: each of DST's files written into the staging, header then pieces, every
+    block read from SRC checked against its checksum first."""
     done = [0]
-    failure: List[BaseException] = []
 
     def write(job: SaveJob, staging: str, base: Any) -> Written:
         w = Written()
-        files = _open_files(src_path, m, so)
+        files = open_files(src_path, m, so)
         buf = memoryview(bytearray(verify_window(m.block_size)))
         try:
             for rank, (header, size, order) in sorted(entries.items()):
@@ -373,32 +418,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
                 if got != size:  # cannot happen: the layout says where each piece goes
                     raise CheckpointSaveError(f"copy: wrote {got} bytes of {planned}, {size} laid out")
                 w.files[planned] = FileRecord(planned, rank, size)
-        except BaseException as e:
-            failure.append(e)
-            raise
         finally:
             files.close()
         return w
 
-    jobs = tuple(FileJob(data_file_name(r), 0, size, len(header), tuple((o.start, o.end) for o in order))
-                 for r, (header, size, order) in sorted(entries.items()))
-    job = SaveJob(dest, 0, 1, jobs, m.block_size, timeout=_TIMEOUT_S, manifest=manifest, side_files=side)
-    try:
-        droot.make_staging(dest)
-    except CheckpointError:
-        raise
-    except OSError as e:
-        raise CheckpointSaveError(f"copy: cannot write {dst}: {e.strerror or e}; check the destination's "
-                                  "directory and permissions") from None
-    result = run_job(job, write, SoloBarrier())
-    if not result.ok:
-        if failure and isinstance(failure[0], CheckpointError):
-            raise failure[0]
-        raise CheckpointSaveError(f"copy of {src_path} to {dst} failed, nothing was committed: {result.error}")
-    all_src = m.all_files()
-    used = {k for outs in plan.values() for k in outs}
-    own = sum(e - s for f, s, e in used if "/" not in f)
-    return CopyReport(
-        src=src_path, dst=dst, files=sorted(read_manifest(dst, dso).files), bytes=total, own_bytes=own,
-        referenced_bytes=total - own, referenced=sorted(n for n in all_src if "/" in n), side_files=len(side),
-    )
+    return write
