@@ -56,14 +56,14 @@ import torch
 from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.core.tensorbuf import byte_view
 from nostall.errors import CheckpointLoadError, CheckpointSaveError
-from nostall.core.format import FileEntry, SideFileRecord, TensorRecord, layout_file
+from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
 from nostall.loading.reader import read_side_file
 from nostall.core.model import numel
 from nostall.interop._common import Progress, ProgressFn, _Source, split_key
 
 log = logging.getLogger("nostall.interop")
 
-__all__ = ["export", "ExportReport", "select_keys", "DEFAULT_MEMORY_LIMIT", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["export", "ExportReport", "select_keys", "CreatedFiles", "DEFAULT_MEMORY_LIMIT", "DEFAULT_MAX_SHARD_SIZE"]
 
 DEFAULT_MEMORY_LIMIT = 1 << 30
 DEFAULT_MAX_SHARD_SIZE = 5 << 30
@@ -244,7 +244,7 @@ class _Streamer:
             del buf, cast
 
 
-class _Created:
+class CreatedFiles:
     """What one export created: directories, temporary files, and final files that did not
     exist before. ``undo()`` removes exactly those (a directory only when empty), nothing else."""
 
@@ -307,22 +307,11 @@ class _Created:
         self.temps, self.finals, self.dirs = [], [], []
 
 
-def export(
-    src: str,
-    dst: str,
-    *,
-    to: str = "safetensors",
-    keys: Optional[Sequence[str]] = None,
-    strip_prefix: Optional[str] = None,
-    separator: str = ".",
-    dtype: Optional[Union[str, torch.dtype]] = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    memory_limit: int = DEFAULT_MEMORY_LIMIT,
-    overwrite: bool = False,
-    verify: bool = True,
-    storage_options: Optional[Dict[str, Any]] = None,
-    progress: Optional[ProgressFn] = None,
-) -> ExportReport:
+def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequence[str]] = None,
+           strip_prefix: Optional[str] = None, separator: str = ".", dtype: Optional[Union[str, torch.dtype]] = None,
+           max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, memory_limit: int = DEFAULT_MEMORY_LIMIT,
+           overwrite: bool = False, verify: bool = True, storage_options: Optional[Dict[str, Any]] = None,
+           progress: Optional[ProgressFn] = None) -> ExportReport:
     """Export the tensors of the checkpoint at ``src`` to ``dst``.
 
     Args:
@@ -356,62 +345,79 @@ def export(
         raise ValueError("memory_limit and max_shard_size must be positive")
     source = _Source(src, storage_options=storage_options, verify=verify)
     try:
-        m = source.manifest
-        chosen = select_keys(sorted(m.tensors), keys)
-        if keys and not chosen:
-            raise CheckpointLoadError(f"no tensor of {src} matches {list(keys)}")
-        items: List[_Item] = []
-        seen: Dict[str, str] = {}
-        out_name: Dict[str, str] = {}
-        chosen_set = set(chosen)
-        tied_keys: List[str] = []
-        for k in chosen:
-            rec = m.tensors[k]
-            name = _output_name(k, strip_prefix, separator)
-            if name in seen:
-                raise CheckpointSaveError(f"keys {seen[name]!r} and {k!r} both export as {name!r}")
-            seen[name] = k
-            out_name[k] = name
-            if rec.tied_to and rec.tied_to in chosen_set:
-                tied_keys.append(k)  # its data is exported once, under the name of the key it is tied to
-                continue
-            sd = torch_dtype(rec.dtype)
-            items.append(_Item(name, k, rec, sd, _out_dtype(sd, dtype)))
-        tied = {out_name[k]: out_name[m.tensors[k].tied_to] for k in tied_keys}
-        total = sum(i.nbytes for i in items)
-        prog = Progress(f"export {src} -> {dst}", total, progress)
+        items, tied = _select(source.manifest, src, keys, strip_prefix, separator, dtype)
+        prog = Progress(f"export {src} -> {dst}", sum(i.nbytes for i in items), progress)
         streamer = _Streamer(source, memory_limit, prog)
         for it in items:
             streamer.slab_elems(it)  # fail before writing anything if the limit is too small
-        side: List[Tuple[str, SideFileRecord]] = []
-        skipped: List[str] = []
-        if to == "safetensors":
-            side = _side_outputs(list(m.side_files.values()))
-        elif m.side_files:
-            skipped = sorted(m.side_files)
-            log.info("%s: %d side file(s) not exported (a torch export is one file): %s", src, len(skipped),
-                     ", ".join(skipped))
-
-        def read_side(rec: SideFileRecord) -> bytes:
-            return read_side_file(src, rec, storage_options)
-
-        created = _Created()
-        side_paths: List[str] = []
-        try:
-            if to == "safetensors":
-                files, side_paths = _export_safetensors(items, tied, dst, max_shard_size, overwrite, streamer, created,
-                                                        side, read_side)
-            else:
-                files = [_export_torch(items, tied, dst, overwrite, streamer, created)]
-        except BaseException:
-            created.undo()  # exactly what this export created, nothing else
-            raise
+        side, skipped = _side_plan(to, source.manifest, src)
+        files, side_paths = _write_all(to, items, tied, dst, max_shard_size, overwrite, streamer, side,
+                                       lambda rec: read_side_file(src, rec, storage_options))
         prog.finish()
-        return ExportReport(files=files, tensors=len(items), bytes=total, names={i.name: i.key for i in items},
+        return ExportReport(files=files, tensors=len(items), bytes=prog.total, names={i.name: i.key for i in items},
                             tied=tied, peak_buffer_bytes=streamer.peak, memory_limit=memory_limit,
                             side_files=side_paths, side_files_skipped=skipped)
     finally:
         source.close()
+
+
+def _select(m: Manifest, src: str, keys: Optional[Sequence[str]], strip_prefix: Optional[str], separator: str,
+            dtype: Optional[Union[str, torch.dtype]]) -> Tuple[List[_Item], Dict[str, str]]:
+    """The tensors to export, each under its output name, and the tied names left out (tied output
+    name -> the output name holding its data). Refuses a selection that matches nothing and two keys
+    that export under one name."""
+    chosen = select_keys(sorted(m.tensors), keys)
+    if keys and not chosen:
+        raise CheckpointLoadError(f"no tensor of {src} matches {list(keys)}")
+    items: List[_Item] = []
+    seen: Dict[str, str] = {}
+    out_name: Dict[str, str] = {}
+    chosen_set = set(chosen)
+    tied_keys: List[str] = []
+    for k in chosen:
+        rec = m.tensors[k]
+        name = _output_name(k, strip_prefix, separator)
+        if name in seen:
+            raise CheckpointSaveError(f"keys {seen[name]!r} and {k!r} both export as {name!r}")
+        seen[name] = k
+        out_name[k] = name
+        if rec.tied_to and rec.tied_to in chosen_set:
+            tied_keys.append(k)  # its data is exported once, under the name of the key it is tied to
+            continue
+        sd = torch_dtype(rec.dtype)
+        items.append(_Item(name, k, rec, sd, _out_dtype(sd, dtype)))
+    tied = {out_name[k]: out_name[m.tensors[k].tied_to] for k in tied_keys}
+    return items, tied
+
+
+def _side_plan(to: str, m: Manifest, src: str) -> Tuple[List[Tuple[str, SideFileRecord]], List[str]]:
+    """The side files an export writes ((output name, record); a safetensors export) and those it
+    leaves out (a torch export, one file)."""
+    side: List[Tuple[str, SideFileRecord]] = []
+    skipped: List[str] = []
+    if to == "safetensors":
+        side = _side_outputs(list(m.side_files.values()))
+    elif m.side_files:
+        skipped = sorted(m.side_files)
+        log.info("%s: %d side file(s) not exported (a torch export is one file): %s", src, len(skipped),
+                 ", ".join(skipped))
+    return side, skipped
+
+
+def _write_all(to: str, items: List[_Item], tied: Dict[str, str], dst: str, max_shard_size: int, overwrite: bool,
+               streamer: _Streamer, side: Sequence[Tuple[str, SideFileRecord]],
+               read_side: Callable[[SideFileRecord], bytes]) -> Tuple[List[str], List[str]]:
+    """Write the export's files (see :func:`_export_safetensors`, :func:`_export_torch`); on any
+    failure remove exactly what this export created, nothing else. The files and side files written."""
+    created = CreatedFiles()
+    try:
+        if to == "safetensors":
+            return _export_safetensors(items, tied, dst, max_shard_size, overwrite, streamer, created, side,
+                                       read_side)
+        return [_export_torch(items, tied, dst, overwrite, streamer, created)], []
+    except BaseException:
+        created.undo()  # exactly what this export created, nothing else
+        raise
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -429,7 +435,7 @@ def _shards(items: Sequence[_Item], max_size: int) -> List[List[_Item]]:
     return groups if groups[0] else []
 
 
-def _prepare_dir(dst: str, overwrite: bool, created: _Created) -> None:
+def _prepare_dir(dst: str, overwrite: bool, created: CreatedFiles) -> None:
     if os.path.exists(dst):
         if not os.path.isdir(dst):
             raise CheckpointSaveError(f"{dst} exists and is not a directory")
@@ -455,7 +461,7 @@ def _check_side_names(side: Sequence[Tuple[str, SideFileRecord]], weights: Seque
 
 
 def _write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Callable[[SideFileRecord], bytes],
-                      dst: str, created: _Created) -> List[Tuple[str, str]]:
+                      dst: str, created: CreatedFiles) -> List[Tuple[str, str]]:
     """Each side file read (size and crc32c checked) and written under a temporary name beside its final one."""
     ready: List[Tuple[str, str]] = []
     for out, rec in side:
@@ -472,7 +478,7 @@ def _write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Cal
 
 
 def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_size: int, overwrite: bool,
-                        streamer: _Streamer, created: _Created, side: Sequence[Tuple[str, SideFileRecord]] = (),
+                        streamer: _Streamer, created: CreatedFiles, side: Sequence[Tuple[str, SideFileRecord]] = (),
                         read_side: Optional[Callable[[SideFileRecord], bytes]] = None) -> Tuple[List[str], List[str]]:
     """Every file is written under a temporary name; all are renamed into place (the side
     files first, the index last) only once every one is complete. ``tied`` names (tied
@@ -491,47 +497,11 @@ def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_
     weight_map: Dict[str, str] = {}
     ready: List[Tuple[str, str]] = []  # (temporary, final)
     for fname, group in zip(names, groups or [[]]):
-        entries = []
-        for it in group:
-            code = dtype_code(it.out_dtype)
-            if code is None:
-                raise CheckpointSaveError(f"key {it.key!r}: dtype {it.out_dtype} has no safetensors code")
-            entries.append(FileEntry(it.name, code, tuple(it.rec.shape), it.nbytes))
-        metadata = {"format": "pt"}
-        in_file = {it.name for it in group}
-        for gone, kept in sorted(tied.items()):
-            if kept in in_file:
-                metadata.setdefault(gone, kept)  # as safetensors.torch.save_model records a dropped shared name
-        header, where, size = layout_file(entries, metadata)
-        path = os.path.join(dst, fname)
-        tmp = created.temp_for(path)
-        with open(tmp, "r+b") as f:
-            f.write(header)
-            f.truncate(size)
-            for it in sorted(group, key=lambda i: where[i.name][0]):
-                base = where[it.name][0]
-
-                def write_at(pos: int, data: memoryview, base: int = base) -> None:
-                    f.seek(base + pos)
-                    f.write(data)
-
-                streamer.write(it, write_at)
-            f.flush()
-            os.fsync(f.fileno())
-        ready.append((tmp, path))
+        ready.append(_write_shard(os.path.join(dst, fname), group, tied, streamer, created))
         for it in group:
             weight_map[it.name] = fname
     if n > 1:
-        index = {"metadata": {"total_size": sum(i.nbytes for i in items)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        ipath = os.path.join(dst, INDEX_NAME)
-        tmp = created.temp_for(ipath)
-        with open(tmp, "w") as fi:
-            json.dump(index, fi, indent=2, sort_keys=True)
-            fi.write("\n")
-            fi.flush()
-            os.fsync(fi.fileno())
-        ready.append((tmp, ipath))
+        ready.append(_write_index(sum(i.nbytes for i in items), weight_map, dst, created))
     for tmp, path in side_ready + ready:
         created.publish(tmp, path)
     written = [path for _, path in ready]
@@ -541,11 +511,58 @@ def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_
     return written, [path for _, path in side_ready]
 
 
+def _write_shard(path: str, group: Sequence[_Item], tied: Dict[str, str], streamer: _Streamer,
+                 created: CreatedFiles) -> Tuple[str, str]:
+    """One safetensors file of ``group``, written under a temporary name beside ``path``, each tensor
+    streamed to its place; a ``tied`` name whose kept name is in the file is recorded in its metadata.
+    (temporary, final)."""
+    entries = []
+    for it in group:
+        code = dtype_code(it.out_dtype)
+        if code is None:
+            raise CheckpointSaveError(f"key {it.key!r}: dtype {it.out_dtype} has no safetensors code")
+        entries.append(FileEntry(it.name, code, tuple(it.rec.shape), it.nbytes))
+    metadata = {"format": "pt"}
+    in_file = {it.name for it in group}
+    for gone, kept in sorted(tied.items()):
+        if kept in in_file:
+            metadata.setdefault(gone, kept)  # as safetensors.torch.save_model records a dropped shared name
+    header, where, size = layout_file(entries, metadata)
+    tmp = created.temp_for(path)
+    with open(tmp, "r+b") as f:
+        f.write(header)
+        f.truncate(size)
+        for it in sorted(group, key=lambda i: where[i.name][0]):
+            base = where[it.name][0]
+
+            def write_at(pos: int, data: memoryview, base: int = base) -> None:
+                f.seek(base + pos)
+                f.write(data)
+
+            streamer.write(it, write_at)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp, path
+
+
+def _write_index(total_size: int, weight_map: Dict[str, str], dst: str, created: CreatedFiles) -> Tuple[str, str]:
+    """The shard index of a sharded export, written under a temporary name. (temporary, final)."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    ipath = os.path.join(dst, INDEX_NAME)
+    tmp = created.temp_for(ipath)
+    with open(tmp, "w") as fi:
+        json.dump(index, fi, indent=2, sort_keys=True)
+        fi.write("\n")
+        fi.flush()
+        os.fsync(fi.fileno())
+    return tmp, ipath
+
+
 # --------------------------------------------------------------------------- torch.save
 
 
 def _export_torch(items: List[_Item], tied: Dict[str, str], dst: str, overwrite: bool, streamer: _Streamer,
-                  created: _Created) -> str:
+                  created: CreatedFiles) -> str:
     """One torch.save file written without holding the tensors: ``torch.save`` lays the
     file out from shapes only (``torch.serialization.skip_data``: storages are
     allocated but never touched, so they take address space, not memory), then each

@@ -372,10 +372,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
             if dst_kind == "nostall":
                 out = args.dst
             else:  # DCP -> nostall (next to the destination) -> export
-                from nostall.interop.export import _Created
+                from nostall.interop.export import CreatedFiles
 
                 parent = os.path.dirname(os.path.abspath(args.dst))
-                made = _Created()
+                made = CreatedFiles()
                 made.makedirs(parent)
                 tmp = tempfile.mkdtemp(prefix=".nostall-convert-", dir=parent)
                 out = os.path.join(tmp, "ckpt")
