@@ -3,32 +3,37 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch.distributed as dist
 
 from nostall.planning.comm import check_launch, make_comm
-from nostall.core.format import DEFAULT_BLOCK_SIZE
 from nostall.handles import SaveStats
 from nostall.core.jobs import Destination
 from nostall.loading.reader import load_state
-from nostall.options import Options
+from nostall.options import NOT_GIVEN, NotGiven, options_from
 from nostall.storage.locate import resolve, split_checkpoint
 from nostall.saving.saver import Saver
 
 __all__ = ["save", "load"]
 
 
-def save(state: Any, path: str, *, process_group: Any = None, timeout: float = 600.0,
-         block_size: int = DEFAULT_BLOCK_SIZE) -> SaveStats:
+def save(state: Any, path: str, *, process_group: Any = None, timeout: Union[float, NotGiven] = NOT_GIVEN,
+         block_size: Union[int, NotGiven] = NOT_GIVEN,
+         storage_options: Union[Optional[Dict[str, Any]], NotGiven] = NOT_GIVEN) -> SaveStats:
     """Save ``state`` into the directory ``path`` (replacing an older nostall checkpoint there).
 
     A collective call over ``process_group`` when ``torch.distributed`` is
-    initialised. The directory appears only once complete.
+    initialised. The directory appears only once complete. ``path`` may be
+    an object-storage URL (``s3://bucket/run/step_100``, as ``load`` takes);
+    ``storage_options`` go to fsspec. ``timeout``, ``block_size`` and
+    ``storage_options``: see :class:`~nostall.Options` (their defaults live
+    there).
     """
-    options = Options(timeout=timeout, block_size=block_size)
-    root, name = split_checkpoint(os.fspath(path))
-    comm = make_comm(process_group, timeout, own_group=False)
+    options = options_from(None, dict(timeout=timeout, block_size=block_size, storage_options=storage_options),
+                           "nostall.save()")
+    root, name = split_checkpoint(os.fspath(path), options.storage_options, timeout=options.timeout)
+    comm = make_comm(process_group, options.timeout, own_group=False)
     try:
         return Saver(comm, options).save(state, Destination(root, name, None, ""))
     finally:

@@ -10,17 +10,16 @@ import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, Union
 
 from nostall.planning.comm import Comm, make_comm
 from nostall.core.faults import Faults
 from nostall.saving.background import BackgroundWriter
 from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
-from nostall.core.format import DEFAULT_BLOCK_SIZE
 from nostall.handles import SaveHandle, SaveStats, _OnCommit
 from nostall.core.jobs import Destination
 from nostall.loading.reader import load_state
-from nostall.options import Options
+from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
 from nostall.storage.root import Claim, Root, step_name
 from nostall.storage.locate import open_root, resolve, split_checkpoint
 from nostall.saving.saver import PendingSave, Saver
@@ -77,52 +76,9 @@ class CheckpointManager:
         root: directory (or URL) of the run's checkpoints (created if
             missing). None: no root of the manager's own; every save names its
             ``path`` (``save(step, ..., path=...)``) and every load too.
-        keep_last: keep only this many newest committed checkpoints (None: all).
         process_group: the ranks that save together (default: all ranks).
-        async_save: write in a background process per rank: ``save()`` returns
-            once the rank's state is copied to host memory. The writer process
-            starts now, so the first save pays no start-up.
-        timeout: bound, in seconds, of every wait (other ranks, the writer,
-            object storage); waiting for the writer's outcome allows 1.5x, so
-            that the writer's own timeout error is the one reported.
-        errors: ``"raise"`` (default): a failed asynchronous save raises
-            :class:`~nostall.CheckpointSaveError` from the next ``save()``,
-            ``finalize_pending_saves()``, ``load()`` or ``close()``;
-            ``"log"``: it is logged and training goes on.
-        block_size: checksum block size in bytes (granularity of partial reads).
         read_only: only list and load (an evaluation job beside the training
             job): no root claim, no cleanup, no writer; ``save`` raises.
-        storage_options: fsspec options for an object-storage ``root``
-            (``s3://bucket/run``, ``gs://...``, any installed fsspec protocol).
-        local_staging_dir: object storage: where each rank's writer stages its
-            files before uploading them (default: a directory under the
-            system temp dir). Node-local disk is best.
-        fallback_sync: save synchronously even when ``async_save`` is set
-            (write, upload and commit inside ``save()``), as the seed's system
-            did for object storage. Off by default: async saves upload in the
-            background like local ones.
-        overlap: async saves only: ``save()`` returns after the plan, and the
-            copy into host memory runs in a thread while training goes on.
-            The state must not change until :meth:`wait_until_staged` returns;
-            :meth:`attach` an optimizer and its ``step()`` waits for that
-            itself. See docs/overlap.md for what else must not change.
-        staging_budget_bytes: async saves only: the most host memory the
-            staging area may take. A rank's state larger than this goes
-            through the area in chunks, written as they come: ``save()`` then
-            blocks until all but the last chunks are written.
-        check_replicas: compare the copies of every tensor saved once for
-            several ranks (plain tensors, ShardedTensor replicas) and refuse a
-            save whose copies differ, naming the key and the ranks. None
-            (default): on the first save and whenever the plan changes;
-            True: at every save; False: never.
-        max_write_rate: async saves only: the most bytes per second each
-            rank's background writer writes (None: no cap). Trades time until
-            durable for less interference with training; see
-            :class:`~nostall.Options`.
-        incremental: each save writes only what changed since this
-            manager's previous committed save in its root (opt-in; see
-            docs/incremental.md); ``full_every``: write everything every this
-            many saves.
         on_commit: ``fn(handle)``, called once each save of this manager is
             committed (durable and visible), and only then: write the
             trainer's own "latest" marker, delete old checkpoints, upload,
@@ -138,9 +94,31 @@ class CheckpointManager:
             ``finalize_pending_saves``); ``close()`` and the exit handler
             wait for it (bounded by their timeout; past it, an error is
             logged naming the step and the callback).
-        options: all of the above as one :class:`~nostall.Options` value
-            (shared with ``Strategy``); when given, the keyword arguments
-            above are ignored.
+        options: every setting below as one :class:`~nostall.Options` value
+            (shared with ``Strategy``).
+        keep_last, async_save, timeout, errors, block_size, storage_options,
+        local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
+        check_replicas, max_write_rate, incremental, full_every: the
+            settings, described (with their defaults, which live only there)
+            in :class:`~nostall.Options`. Each may be passed as a keyword
+            argument, or all of them as ``options=``; a setting given both
+            ways raises ``TypeError`` naming it (``options.but(name=value)``
+            changes one). What they mean for a manager in particular:
+            ``async_save`` starts the writer process now, so the first save
+            pays no start-up, and ``save()`` returns once the rank's state is
+            copied to host memory; waiting for the writer's outcome allows
+            1.5x ``timeout``, so that the writer's own timeout error is the
+            one reported; with ``errors="raise"`` a failed asynchronous save
+            raises :class:`~nostall.CheckpointSaveError` from the next
+            ``save()``, ``finalize_pending_saves()``, ``load()`` or
+            ``close()``; with ``overlap`` the state must not change until
+            :meth:`wait_until_staged` returns (:meth:`attach` an optimizer
+            and its ``step()`` waits for that itself; docs/overlap.md); a
+            state larger than ``staging_budget_bytes`` goes through the area
+            in chunks, and ``save()`` then blocks until all but the last are
+            written; ``fallback_sync`` saves synchronously even when
+            ``async_save`` is set; ``incremental`` compares with this
+            manager's previous committed save in its root.
 
     One manager saves to a root at a time: creating a second (not read-only)
     manager on a root that another live manager holds raises
@@ -160,33 +138,31 @@ class CheckpointManager:
         self,
         root: Optional[str],
         *,
-        keep_last: Optional[int] = None,
+        keep_last: Union[Optional[int], NotGiven] = NOT_GIVEN,
         process_group: Any = None,
-        async_save: bool = False,
-        timeout: float = 600.0,
-        errors: str = "raise",
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        async_save: Union[bool, NotGiven] = NOT_GIVEN,
+        timeout: Union[float, NotGiven] = NOT_GIVEN,
+        errors: Union[str, NotGiven] = NOT_GIVEN,
+        block_size: Union[int, NotGiven] = NOT_GIVEN,
         read_only: bool = False,
-        storage_options: Optional[Dict[str, Any]] = None,
-        local_staging_dir: Optional[str] = None,
-        fallback_sync: bool = False,
-        overlap: bool = False,
-        staging_budget_bytes: Optional[int] = None,
-        check_replicas: Optional[bool] = None,
-        max_write_rate: Optional[float] = None,
-        incremental: bool = False,
-        full_every: Optional[int] = None,
+        storage_options: Union[Optional[Dict[str, Any]], NotGiven] = NOT_GIVEN,
+        local_staging_dir: Union[Optional[str], NotGiven] = NOT_GIVEN,
+        fallback_sync: Union[bool, NotGiven] = NOT_GIVEN,
+        overlap: Union[bool, NotGiven] = NOT_GIVEN,
+        staging_budget_bytes: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        check_replicas: Union[Optional[bool], NotGiven] = NOT_GIVEN,
+        max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
+        incremental: Union[bool, NotGiven] = NOT_GIVEN,
+        full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
-        if options is None:
-            options = Options(
-                keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
-                block_size=block_size, storage_options=storage_options, local_staging_dir=local_staging_dir,
-                fallback_sync=fallback_sync, overlap=overlap, staging_budget_bytes=staging_budget_bytes,
-                check_replicas=check_replicas, max_write_rate=max_write_rate, incremental=incremental,
-                full_every=full_every,
-            )
+        options = options_from(options, dict(
+            keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors, block_size=block_size,
+            storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
+            overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
+            max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
+        ), "CheckpointManager()")
         if read_only and options.async_save:
             options = options.but(async_save=False)
         self.options = options
@@ -198,6 +174,12 @@ class CheckpointManager:
                                    local_staging=options.local_staging_dir, timeout=self.options.timeout,
                                    faults=self._faults)
         self.root: Optional[str] = self._root.url if self._root is not None else None
+        self._init_state(on_commit)
+        self._start(process_group)
+        self._install_exit_handlers()
+
+    def _init_state(self, on_commit: Optional[Callable[[SaveHandle], Any]]) -> None:
+        """__init__, phase 1: the manager's bookkeeping, nothing started yet."""
         self._on_commit = on_commit
         self._hooks: List[Any] = []
         self._attached: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers attached by save(optimizer=)
@@ -212,6 +194,10 @@ class CheckpointManager:
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
         self._sigterm_installed = False
+
+    def _start(self, process_group: Any) -> None:
+        """__init__, phase 2 (collective): the metadata group, the saver, the root's claim, the writer;
+        on failure, what was started is released again."""
         self._comm: Comm = make_comm(process_group, self.options.timeout, own_group=True)
         try:
             self._saver = Saver(self._comm, self.options, self._faults)
@@ -224,6 +210,10 @@ class CheckpointManager:
                 self._claim.release()
             self._comm.close()
             raise
+
+    def _install_exit_handlers(self) -> None:
+        """__init__, phase 3: close at exit (a weak reference: the manager may be collected first), and
+        SIGTERM as a normal exit while async saves may be pending (main thread only)."""
         ref = weakref.ref(self)
 
         def at_exit() -> None:
@@ -409,33 +399,40 @@ class CheckpointManager:
         # the lock: a callback may call the manager (a callback running in a watcher thread too, while this waits).
         self._finalize_then_callbacks(None, flush=False)
         with self._lock:
-            self._check_open(writing=True)
-            # A save started meanwhile (by one of those callbacks, or another thread) is settled here; its own
-            # callbacks are left to its handle's watcher thread (never run with the lock held).
-            self._finalize(None, flush=False)  # the writer's retention after the last commit runs before this job
-            self._handles = [h for h in self._handles if not h._callbacks_quiet(strict=True)]
-            use_overlap = use_async and (self.options.overlap if overlap is None else bool(overlap))
-            if training is not None:
-                state = training.state(self.world_size)
-                if use_overlap:
-                    if optimizer is not None and optimizer not in self._attached:
-                        self.attach(optimizer)
-                    if stage_now is None:
-                        stage_now = set(training.buffer_keys()).__contains__
-            dest = self._destination(step, path)
-            if not use_async:
-                stats = self._saver.save(state, dest, t_call, side=files)
-                self._stats.append(stats)
-                handle = SaveHandle(step, dest.path)
-                handle._set_result(stats)
-                self._watch_commit(handle, run=False)
-                synced: Optional[SaveHandle] = handle
-            else:
-                synced = None
-                handle = self._save_async(step, state, dest, t_call, use_overlap, stage_now, files)
-            self._handles.append(handle)
-        if synced is not None:
-            synced._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
+            handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap, stage_now,
+                                       t_call)
+        if not use_async:
+            handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
+        return handle
+
+    def _save_locked(self, step: Optional[int], state: Any, training: Optional[Training], optimizer: Any, path: Any,
+                     files: Optional[Mapping[str, Any]], use_async: bool, overlap: Optional[bool], stage_now: Any,
+                     t_call: float) -> SaveHandle:
+        """save(), lock held: settle a save started meanwhile, then run this one (sync: committed on return,
+        its commit callbacks due once the caller released the lock) or stage it for the writer (async)."""
+        self._check_open(writing=True)
+        # A save started meanwhile (by one of the previous save's callbacks, or another thread) is settled here;
+        # its own callbacks are left to its handle's watcher thread (never run with the lock held).
+        self._finalize(None, flush=False)  # the writer's retention after the last commit runs before this job
+        self._handles = [h for h in self._handles if not h._callbacks_quiet(strict=True)]
+        use_overlap = use_async and (self.options.overlap if overlap is None else bool(overlap))
+        if training is not None:
+            state = training.state(self.world_size)
+            if use_overlap:
+                if optimizer is not None and optimizer not in self._attached:
+                    self.attach(optimizer)
+                if stage_now is None:
+                    stage_now = set(training.buffer_keys()).__contains__
+        dest = self._destination(step, path)
+        if use_async:
+            handle = self._save_async(step, state, dest, t_call, use_overlap, stage_now, files)
+        else:
+            stats = self._saver.save(state, dest, t_call, side=files)
+            self._stats.append(stats)
+            handle = SaveHandle(step, dest.path)
+            handle._set_result(stats)
+            self._watch_commit(handle, run=False)
+        self._handles.append(handle)
         return handle
 
     def _save_async(self, step: Optional[int], state: Any, dest: Destination, t_call: float, use_overlap: bool,
@@ -695,64 +692,76 @@ class CheckpointManager:
             if self._closed or self._closing:
                 return
             self._closing = True
+        failure: Optional[BaseException] = None
+        try:
+            failure = self._close_wait(timeout)
+        finally:
+            with self._lock:
+                self._release()
+        if failure is not None:
+            raise failure
+
+    def _close_wait(self, timeout: Optional[float]) -> Optional[BaseException]:
+        """close(), phase 1: finalize, and wait (lock released) for the commit callbacks still running,
+        finalizing the saves they start, until none runs or the bound is spent; marks the manager closed.
+        Returns the first failure of a save it finalized (close raises it once everything is released)."""
         deadline = time.monotonic() + (self.options.timeout if timeout is None else timeout)
         failure: Optional[BaseException] = None
         first, gave_up = True, False
-        try:
-            while True:
-                with self._lock:
-                    if first:
-                        spent = self._pending is not None and self._pending[0] is self._waited_out
-                        wait = 0.0 if spent else (None if timeout is None else max(0.0, deadline - time.monotonic()))
-                        first = False
-                    else:  # saves the callbacks started
-                        wait = max(0.0, deadline - time.monotonic())
-                    try:
-                        self._finalize(wait, flush=True)
-                    except Exception as e:
-                        failure = failure or e
-                    busy = [h for h in self._handles if not h._callbacks_quiet()]
-                    if gave_up or self._pending is not None or not busy:
-                        self._closed = True  # every call fails at once from here on; released below
-                        break
-                # Outside the lock: a callback may call the manager. Only waits (the handles' watchers run them).
-                late = []
-                for h in busy:
-                    names = h._wait_callbacks(deadline)
-                    if names:
-                        late.append((h, names))
-                for h, names in late:
-                    log.error("rank %d: close(): the commit callback %s of the save of step %s still runs after "
-                              "%.0fs: no longer waited for (the manager is closed under it; at exit it is cut "
-                              "off). Make the callback return sooner, or close with a longer timeout", self.rank,
-                              ", ".join(names), h.step, self.options.timeout if timeout is None else timeout)
-                gave_up = bool(late)
-        finally:
+        while True:
             with self._lock:
-                self._closed = True
-                self._pending = None
-                self._handles = []
-                for hook in self._hooks:
-                    hook.remove()
-                self._hooks.clear()
-                self._attached = weakref.WeakSet()
-                atexit.unregister(self._at_exit)
-                if self._sigterm_installed and signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
-                    try:
-                        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ours only while a save can be pending
-                    except ValueError:  # not the main thread: left as it is
-                        pass
-                    self._sigterm_installed = False
-                if self._writer is not None:
-                    # A job still in flight here timed out above (e.g. rank 0's host died, so its outcome
-                    # never comes): the writer would answer "stop" only after its own bounded waits. It is
-                    # killed at once instead (a crash at any point is safe), so close() stays within its bound.
-                    self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
-                if self._claim is not None:
-                    self._claim.release()
-                self._comm.close()
-        if failure is not None:
-            raise failure
+                if first:
+                    spent = self._pending is not None and self._pending[0] is self._waited_out
+                    wait = 0.0 if spent else (None if timeout is None else max(0.0, deadline - time.monotonic()))
+                    first = False
+                else:  # saves the callbacks started
+                    wait = max(0.0, deadline - time.monotonic())
+                try:
+                    self._finalize(wait, flush=True)
+                except Exception as e:
+                    failure = failure or e
+                busy = [h for h in self._handles if not h._callbacks_quiet()]
+                if gave_up or self._pending is not None or not busy:
+                    self._closed = True  # every call fails at once from here on; released by _release
+                    return failure
+            # Outside the lock: a callback may call the manager. Only waits (the handles' watchers run them).
+            late = []
+            for h in busy:
+                names = h._wait_callbacks(deadline)
+                if names:
+                    late.append((h, names))
+            for h, names in late:
+                log.error("rank %d: close(): the commit callback %s of the save of step %s still runs after "
+                          "%.0fs: no longer waited for (the manager is closed under it; at exit it is cut "
+                          "off). Make the callback return sooner, or close with a longer timeout", self.rank,
+                          ", ".join(names), h.step, self.options.timeout if timeout is None else timeout)
+            gave_up = bool(late)
+
+    def _release(self) -> None:
+        """close(), phase 2 (lock held, whatever phase 1 did): detach hooks and handlers, stop the writer,
+        release the root's claim and the group."""
+        self._closed = True
+        self._pending = None
+        self._handles = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._attached = weakref.WeakSet()
+        atexit.unregister(self._at_exit)
+        if self._sigterm_installed and signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ours only while a save can be pending
+            except ValueError:  # not the main thread: left as it is
+                pass
+            self._sigterm_installed = False
+        if self._writer is not None:
+            # A job still in flight here timed out above (e.g. rank 0's host died, so its outcome
+            # never comes): the writer would answer "stop" only after its own bounded waits. It is
+            # killed at once instead (a crash at any point is safe), so close() stays within its bound.
+            self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
+        if self._claim is not None:
+            self._claim.release()
+        self._comm.close()
 
     def _close_at_exit(self) -> None:
         try:

@@ -13,17 +13,23 @@ Example::
     Traceback (most recent call last):
     ...
     ValueError: block_size must be a power of two between 8 and 1073741824 bytes, got 1000
+
+Its defaults are the only ones: ``CheckpointManager``, ``Strategy`` and
+``nostall.save`` take each setting as a keyword argument defaulting to
+:data:`NOT_GIVEN`, or all of them as ``options=`` (never both for one
+setting: :func:`options_from`).
 """
 
 from __future__ import annotations
 
+import enum
 import mmap
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Dict, Mapping, Optional
 
 from nostall.core.format import DEFAULT_BLOCK_SIZE
 
-__all__ = ["Options", "check_block_size"]
+__all__ = ["Options", "NOT_GIVEN", "NotGiven", "check_block_size", "options_from"]
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 1 << 30
@@ -136,3 +142,51 @@ class Options:
     def but(self, **changes: Any) -> "Options":
         """A copy with ``changes`` applied (and validated)."""
         return replace(self, **changes)
+
+
+class NotGiven(enum.Enum):
+    """The type of :data:`NOT_GIVEN`: "this keyword argument was not passed" (its value is Options')."""
+
+    NOT_GIVEN = "NOT_GIVEN"
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
+
+
+NOT_GIVEN = NotGiven.NOT_GIVEN
+"""Default of every option keyword argument: the setting's value comes from ``options=`` or Options' default."""
+
+_FIELDS = frozenset(f.name for f in fields(Options))
+
+
+def options_from(options: Optional[Options], given: Mapping[str, Any], where: str) -> Options:
+    """The Options of a call that takes them as keyword arguments (``given``) or as ``options=``.
+
+    ``given`` maps setting names to the keyword arguments' values; those
+    that are :data:`NOT_GIVEN` are not counted. Without ``options``: an
+    Options of the given settings (the others at their defaults). With
+    ``options``: it, as it is; a setting given beside it too is refused with
+    a ``TypeError`` naming it (as Python refuses an argument given twice),
+    because ``options`` already holds every setting: change one with
+    ``options.but(name=value)``.
+
+    >>> options_from(None, {"keep_last": 2, "timeout": NOT_GIVEN}, "f()").keep_last
+    2
+    >>> options_from(Options(), {"keep_last": 2}, "f()")
+    Traceback (most recent call last):
+    ...
+    TypeError: f(): keep_last given twice, as keyword argument and in options= (options.but(keep_last=...) changes one)
+    """
+    named = {k: v for k, v in given.items() if v is not NOT_GIVEN}
+    unknown = sorted(set(named) - _FIELDS)
+    if unknown:
+        raise TypeError(f"{where}: not settings of Options: {', '.join(unknown)}")
+    if options is None:
+        return Options(**named)
+    if not isinstance(options, Options):
+        raise TypeError(f"{where}: options must be a nostall.Options, got {type(options).__name__}")
+    if named:
+        both = ", ".join(named)
+        raise TypeError(f"{where}: {both} given twice, as keyword argument and in options= "
+                        f"(options.but({next(iter(named))}=...) changes one)")
+    return options

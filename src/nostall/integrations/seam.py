@@ -36,11 +36,11 @@ import logging
 import os
 import sys
 import tempfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 from nostall.handles import SaveHandle
 from nostall.manager import CheckpointManager
-from nostall.options import Options
+from nostall.options import NOT_GIVEN, NotGiven, Options
 from nostall.training import ParallelLayout, unwrap
 
 log = logging.getLogger("nostall")
@@ -62,11 +62,17 @@ class CheckpointingMixin:
     _nostall: Optional[CheckpointManager] = None
     _nostall_layout: Optional[ParallelLayout] = None
 
-    def init_checkpointing(self, *, async_save: bool = False, layout: Optional[ParallelLayout] = None,
-                           process_group: Any = None, options: Optional[Options] = None) -> CheckpointManager:
+    def init_checkpointing(self, *, async_save: Union[bool, NotGiven] = NOT_GIVEN,
+                           layout: Optional[ParallelLayout] = None, process_group: Any = None,
+                           options: Optional[Options] = None) -> CheckpointManager:
         """Create the strategy's manager (collective). ``options``: every other setting (timeout,
-        overlap, object storage); ``async_save`` overrides its ``async_save``."""
-        opts = (options or Options()).but(async_save=async_save, keep_last=None)
+        overlap, object storage); ``async_save``, when given, overrides its ``async_save`` (a stack
+        passes its own config's; not given: ``options``', whose default is Options'). ``keep_last`` is
+        ignored: the stack owns retention."""
+        changes: Dict[str, Any] = {"keep_last": None}
+        if not isinstance(async_save, NotGiven):
+            changes["async_save"] = async_save
+        opts = (options or Options()).but(**changes)
         self._nostall = CheckpointManager(None, process_group=process_group, options=opts,
                                           on_commit=self.on_checkpoint_committed)
         self._nostall_layout = layout

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from nostall.errors import CheckpointError
 from nostall.handles import SaveHandle
 from nostall.manager import CheckpointManager
-from nostall.options import Options
+from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
 from nostall.storage.locate import open_root, resolve
 from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training, mark_tensor_parallel
 
@@ -81,24 +81,30 @@ class Strategy:
 
     Args:
         layout: this rank's TP/DP coordinates.
-        async_save: default mode of ``save_checkpoint`` (off by default).
-        overlap: async saves copy the state into host memory while training
-            goes on (docs/overlap.md). The optimizer passed to
-            ``save_checkpoint`` is attached (its ``step()`` waits for the
-            copy), and the model's buffers (BatchNorm statistics, which the
-            next forward changes) are copied before ``save_checkpoint`` returns.
-        keep_last: retention per ``ckpt_dir`` (None: keep all).
         process_group: ranks that checkpoint together (default: all).
-        timeout: bound, in seconds, of every wait.
-        errors: what a failed background save does; see CheckpointManager.
-        storage_options: fsspec options for a ``ckpt_dir`` on object storage
-            (``s3://bucket/run``); see docs/object-storage.md.
-        local_staging_dir: object storage: this host's local scratch where
-            each rank stages its files before uploading them (default: under
-            the temp dir). Must be node-local; see docs/topologies.md.
         on_commit: ``fn(handle)`` once each save is committed, and only
             then (a trainer's own marker, its retention, a notification);
             see ``CheckpointManager``.
+        options: every setting below as one :class:`~nostall.Options` value
+            (the one a ``CheckpointManager`` takes), handed to every manager
+            the strategy opens.
+        keep_last, async_save, timeout, errors, block_size, storage_options,
+        local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
+        check_replicas, max_write_rate, incremental, full_every: the
+            settings, described (with their defaults, which live only there)
+            in :class:`~nostall.Options`; each may be passed as a keyword
+            argument, or all of them as ``options=`` (a setting given both
+            ways raises ``TypeError`` naming it). For a strategy:
+            ``async_save`` is the default mode of ``save_checkpoint``;
+            ``keep_last`` is retention per ``ckpt_dir``; with ``overlap``
+            the optimizer passed to ``save_checkpoint`` is attached (its
+            ``step()`` waits for the copy into host memory) and the model's
+            buffers (BatchNorm statistics, which the next forward changes)
+            are copied before ``save_checkpoint`` returns (docs/overlap.md);
+            ``storage_options`` and ``local_staging_dir`` (node-local
+            scratch; docs/topologies.md) serve a ``ckpt_dir`` on object
+            storage (``s3://bucket/run``; docs/object-storage.md), its loads
+            included.
 
     Threading: every method may be called from any thread; the managers
     serialise concurrent calls. What ``save_checkpoint`` reads (parameters,
@@ -109,20 +115,32 @@ class Strategy:
         self,
         layout: Optional[ParallelLayout] = None,
         *,
-        async_save: bool = False,
-        overlap: bool = False,
-        keep_last: Optional[int] = None,
+        async_save: Union[bool, NotGiven] = NOT_GIVEN,
+        overlap: Union[bool, NotGiven] = NOT_GIVEN,
+        keep_last: Union[Optional[int], NotGiven] = NOT_GIVEN,
         process_group: Any = None,
-        timeout: float = 600.0,
-        errors: str = "raise",
-        storage_options: Optional[Dict[str, Any]] = None,
-        local_staging_dir: Optional[str] = None,
+        timeout: Union[float, NotGiven] = NOT_GIVEN,
+        errors: Union[str, NotGiven] = NOT_GIVEN,
+        storage_options: Union[Optional[Dict[str, Any]], NotGiven] = NOT_GIVEN,
+        local_staging_dir: Union[Optional[str], NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
+        block_size: Union[int, NotGiven] = NOT_GIVEN,
+        fallback_sync: Union[bool, NotGiven] = NOT_GIVEN,
+        staging_budget_bytes: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        check_replicas: Union[Optional[bool], NotGiven] = NOT_GIVEN,
+        max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
+        incremental: Union[bool, NotGiven] = NOT_GIVEN,
+        full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        options: Optional[Options] = None,
     ) -> None:
         self.layout = layout if layout is not None else ParallelLayout()
-        self.options = Options(keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors,
-                               storage_options=storage_options, local_staging_dir=local_staging_dir, overlap=overlap)
-        self.storage_options = storage_options
+        self.options = options_from(options, dict(
+            keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors, block_size=block_size,
+            storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
+            overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
+            max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
+        ), "Strategy()")
+        self.storage_options = self.options.storage_options
         self.process_group = process_group
         self._managers: Dict[str, CheckpointManager] = {}
         self.on_commit = on_commit
