@@ -496,40 +496,14 @@ class Manifest:
 
     @classmethod
     def _from_doc(cls, doc: Any, path: str) -> "Manifest":
+        """The manifest a parsed document describes, read section by section (each checked as it
+        is read), then checked whole (:meth:`_check`)."""
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointCorruptError(f"{path}: not a nostall manifest")
-        version = int(doc["version"])
-        if version > FORMAT_VERSION:
-            raise CheckpointCorruptError(
-                f"{path}: format version {version} is newer than this nostall supports ({FORMAT_VERSION})"
-            )
-        cs = doc["checksum"]
-        if cs["algorithm"] != CHECKSUM_ALGORITHM:
-            raise CheckpointCorruptError(f"{path}: unknown checksum algorithm {cs['algorithm']!r}")
-        block_size = int(cs["block_size"])
-        if block_size <= 0 or block_size % 8:
-            raise CheckpointCorruptError(f"{path}: invalid checksum block size {block_size}")
-        files = {}
-        for n, f in _obj(doc["files"], "files").items():
-            if data_file_problem(n):
-                raise CheckpointCorruptError(
-                    f"{path}: invalid data file name {n!r}; the manifest is damaged: restore it or load another "
-                    "checkpoint"
-                )
-            f = _obj(f, f"files[{n!r}]")
-            files[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
-        references = {}
+        version, block_size = _version_and_block_size(doc, path)
+        files = _files_section(doc, path)
         step = doc["step"]
-        own_step = step if type(step) is int else None
-        for n, f in _obj(doc.get("references", {}), "references").items():
-            problem = reference_problem(n, own_step) or (
-                None if step is not None else "a checkpoint that records no step (a one-shot save) is not in a "
-                                              "run root: it has no earlier checkpoints to read from")
-            if problem:
-                raise CheckpointCorruptError(f"{path}: invalid referenced file {n!r} ({problem}); the manifest is "
-                                             "damaged: restore it or load another checkpoint")
-            f = _obj(f, f"references[{n!r}]")
-            references[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
+        references = _references_section(doc, path, step)
         world_size = _int(doc["world_size"], "world_size")
         per_rank = []
         for i, r in enumerate(_list(doc["per_rank"], "per_rank")):
@@ -538,20 +512,7 @@ class Manifest:
                 {k: _tensor_rec(k, t) for k, t in _obj(r["tensors"], f"per_rank[{i}].tensors").items()},
                 _obj(r["objects"], f"per_rank[{i}].objects"),
             ))
-        side = {}
-        for n, f in _obj(doc.get("side_files", {}), "side_files").items():
-            problem = side_file_problem(n) or ("it is also a data file's name" if n in files else None)
-            if problem:
-                raise CheckpointCorruptError(f"{path}: invalid side file name {n!r} ({problem}); the manifest is "
-                                             "damaged: restore it or load another checkpoint")
-            f = _obj(f, f"side_files[{n!r}]")
-            stored = f.get("stored", "")
-            problem = "" if stored == "" else (side_file_problem(stored)
-                                               or ("it is also a data file's name" if stored in files else None))
-            if problem:
-                raise CheckpointCorruptError(f"{path}: side file {n!r}: invalid stored name {stored!r} ({problem}); "
-                                             "the manifest is damaged: restore it or load another checkpoint")
-            side[n] = SideFileRecord(n, _int(f["size"], "size"), _int(f["crc32c"], "crc32c"), stored)
+        side = _side_files_section(doc, path, files)
         m = cls(
             step=None if step is None else _int(step, "step"),
             world_size=world_size,
@@ -657,6 +618,76 @@ def _tensor_doc(t: TensorRecord) -> Dict[str, Any]:
     if t.tied_to:
         doc["tied_to"] = t.tied_to  # only when tied: an untied tensor's entry is as before this field existed
     return doc
+
+
+def _version_and_block_size(doc: Dict[str, Any], path: str) -> Tuple[int, int]:
+    """A manifest's format version (one this nostall reads) and checksum block size (a positive
+    multiple of 8, of the one checksum algorithm)."""
+    version = int(doc["version"])
+    if version > FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path}: format version {version} is newer than this nostall supports ({FORMAT_VERSION})"
+        )
+    cs = doc["checksum"]
+    if cs["algorithm"] != CHECKSUM_ALGORITHM:
+        raise CheckpointCorruptError(f"{path}: unknown checksum algorithm {cs['algorithm']!r}")
+    block_size = int(cs["block_size"])
+    if block_size <= 0 or block_size % 8:
+        raise CheckpointCorruptError(f"{path}: invalid checksum block size {block_size}")
+    return version, block_size
+
+
+def _files_section(doc: Dict[str, Any], path: str) -> Dict[str, FileRecord]:
+    """A manifest's own data files, each named by one path component of the checkpoint directory
+    (anything else is damage: it could name a path outside the checkpoint)."""
+    files = {}
+    for n, f in _obj(doc["files"], "files").items():
+        if data_file_problem(n):
+            raise CheckpointCorruptError(
+                f"{path}: invalid data file name {n!r}; the manifest is damaged: restore it or load another "
+                "checkpoint"
+            )
+        f = _obj(f, f"files[{n!r}]")
+        files[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
+    return files
+
+
+def _references_section(doc: Dict[str, Any], path: str, step: Any) -> Dict[str, FileRecord]:
+    """A manifest's referenced files (version 2): each ``<checkpoint>/<file>`` of an earlier
+    checkpoint of the same run root, so a checkpoint that records no step has none."""
+    references = {}
+    own_step = step if type(step) is int else None
+    for n, f in _obj(doc.get("references", {}), "references").items():
+        problem = reference_problem(n, own_step) or (
+            None if step is not None else "a checkpoint that records no step (a one-shot save) is not in a "
+                                          "run root: it has no earlier checkpoints to read from")
+        if problem:
+            raise CheckpointCorruptError(f"{path}: invalid referenced file {n!r} ({problem}); the manifest is "
+                                         "damaged: restore it or load another checkpoint")
+        f = _obj(f, f"references[{n!r}]")
+        references[n] = FileRecord(n, _int(f["rank"], "rank"), _int(f["size"], "size"))
+    return references
+
+
+def _side_files_section(doc: Dict[str, Any], path: str, files: Mapping[str, FileRecord]
+                        ) -> Dict[str, SideFileRecord]:
+    """A manifest's side files; neither a side file's name nor the name it is stored under may be
+    invalid or a data file's."""
+    side = {}
+    for n, f in _obj(doc.get("side_files", {}), "side_files").items():
+        problem = side_file_problem(n) or ("it is also a data file's name" if n in files else None)
+        if problem:
+            raise CheckpointCorruptError(f"{path}: invalid side file name {n!r} ({problem}); the manifest is "
+                                         "damaged: restore it or load another checkpoint")
+        f = _obj(f, f"side_files[{n!r}]")
+        stored = f.get("stored", "")
+        problem = "" if stored == "" else (side_file_problem(stored)
+                                           or ("it is also a data file's name" if stored in files else None))
+        if problem:
+            raise CheckpointCorruptError(f"{path}: side file {n!r}: invalid stored name {stored!r} ({problem}); "
+                                         "the manifest is damaged: restore it or load another checkpoint")
+        side[n] = SideFileRecord(n, _int(f["size"], "size"), _int(f["crc32c"], "crc32c"), stored)
+    return side
 
 
 def _obj(x: Any, what: str) -> Dict[str, Any]:

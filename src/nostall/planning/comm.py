@@ -167,23 +167,40 @@ class _TorchComm(Comm):
           then never meet again.
 
         Instead the ranks agree through the default store, which does not
-        break with the group: replacement round ``r`` (a key under this
-        Comm's own prefix, agreed when the group was made) holds the set of
-        ranks that joined it, updated with compare-and-set. A rank joins the
-        lowest round it has not taken part in and waits (up to ``timeout``)
-        for the set to fill -- a peer may still be in its own failing call,
-        or on its way to its next save. A rank that gives up withdraws from
-        the set, unless it filled meanwhile, and joins the same round next
-        time, so the ranks meet again as soon as their attempts overlap. A
-        full set is final: its ranks build a ``ProcessGroupGloo`` over the
+        break with the group, on a replacement round (:meth:`_join_round`). A
+        full round is final: its ranks build a ``ProcessGroupGloo`` over the
         store prefix of that round (fresh keys) and go on to round ``r + 1``
         next time, whether the build worked or not, as do all the others.
         """
         self._destroy_group()  # first: a peer still inside a collective on it fails at once
-        deadline = time.monotonic() + self.timeout
         r = self._round
+        self._join_round(r)
+        self._round = r + 1  # final, whatever happens next
+        try:
+            group = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"group{r}/", self._store), self.rank, self.size,
+                datetime.timedelta(seconds=self.timeout),
+            )
+        except Exception as e:
+            self._raise(f"group replacement (round {r})", e)
+        self.group, self._registered, self._failure = group, False, None
+        log.info("rank %d: replaced the checkpoint group after a failed collective (round %d)", self.rank, r)
+
+    def _join_round(self, r: int) -> None:
+        """Join replacement round ``r`` and wait (up to ``timeout``) until every rank joined it.
+
+        Round ``r`` is a key under this Comm's own store prefix (agreed when
+        the group was made) that holds the set of ranks that joined it,
+        updated with compare-and-set. A rank joins the lowest round it has
+        not taken part in and waits for the set to fill -- a peer may still
+        be in its own failing call, or on its way to its next save. A rank
+        that gives up withdraws from the set, unless it filled meanwhile, and
+        joins the same round next time, so the ranks meet again as soon as
+        their attempts overlap. Any failure is kept as this Comm's failure
+        (the next operation tries again) and raised.
+        """
+        deadline = time.monotonic() + self.timeout
         key = f"round{r}"
-        store = self._store
         try:
             joined = self._update(key, lambda m: None if self.rank in m else m | {self.rank})
             full = set(range(self.size))
@@ -202,7 +219,7 @@ class _TorchComm(Comm):
                     )
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
-                joined = _members(store.get(key))
+                joined = _members(self._store.get(key))
         except CheckpointSaveError as e:
             self._failure = e
             raise
@@ -213,16 +230,6 @@ class _TorchComm(Comm):
             )
             self._failure = err
             raise err from e
-        self._round = r + 1  # final, whatever happens next
-        try:
-            group = dist.ProcessGroupGloo(
-                dist.PrefixStore(f"group{r}/", store), self.rank, self.size,
-                datetime.timedelta(seconds=self.timeout),
-            )
-        except Exception as e:
-            self._raise(f"group replacement (round {r})", e)
-        self.group, self._registered, self._failure = group, False, None
-        log.info("rank %d: replaced the checkpoint group after a failed collective (round %d)", self.rank, r)
 
     def _update(self, key: str, change: Callable[[Set[int]], Optional[Set[int]]]) -> Set[int]:
         """Apply ``change`` to the set of ranks at ``key`` atomically; the resulting set."""

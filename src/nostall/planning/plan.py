@@ -184,6 +184,12 @@ _SECOND = itemgetter(1)
 
 # A piece while planning: (key, offset, shape, dtype code, holders (sorted ranks)).
 _Piece = Tuple[str, Shape, Shape, str, List[int]]
+# A key's header while planning: (dtype code, global shape, sharded).
+_Header = Tuple[str, Shape, bool]
+# A file's entry while planning: (tensor name in the file, dtype code, shape, bytes).
+_Entry = Tuple[str, str, Shape, int]
+# Where a piece's bytes lie: (file, start, end).
+_Where = Tuple[str, int, int]
 
 
 def _piece_plan(offset: Shape, shape: Shape, owner: int, file: str, start: int, end: int) -> PiecePlan:
@@ -350,31 +356,55 @@ def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
 
 
 def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:
-    world = len(metas)
+    """The plan in its phases: the distinct pieces, their writers, the files, the tensors' plans."""
     by_key = _group(metas)
     per_rank_keys = {k for m in metas for (k, _, _) in m.per_rank}
     clash = sorted(per_rank_keys & set(by_key))
     if clash:
         raise InvalidStateError(f"key {clash[0]!r} is a PerRank value on some ranks and a tensor on others")
-
     tied = _ties(by_key)
+    pieces, headers = _pieces(by_key, tied)
+    owners, sizes = _owners(metas, pieces)
+    entries_of, index_of = _file_entries(metas, pieces, owners, sizes, headers)
+    files, where, per_rank_where = _lay_out_files(metas, pieces, entries_of, index_of)
+    return SavePlan(
+        world_size=len(metas),
+        tensors=_tensor_plans(pieces, owners, where, headers, tied),
+        per_rank=_per_rank_plans(metas, per_rank_where),
+        files=files,
+        signatures=tuple(m.signature() for m in metas),
+    )
+
+
+def _pieces(by_key: Mapping[str, Tuple[Sequence[int], Sequence[TensorMeta]]],
+            tied: Mapping[str, str]) -> Tuple[List[_Piece], Dict[str, _Header]]:
+    """Validate every key's holders; its distinct pieces (keys sorted, then boxes) and its header.
+
+    A tied key is validated like any tensor but contributes no piece: it is stored as the key it
+    is tied to.
+    """
     pieces: List[_Piece] = []
-    headers: Dict[str, Tuple[str, Shape, bool]] = {}
+    headers: Dict[str, _Header] = {}
     for key in sorted(by_key):
         ranks, ts = by_key[key]
         _check_headers(key, ranks, ts)
         t0 = ts[0]
         headers[key] = (t0.dtype, t0.global_shape, t0.sharded)
-        # a tied key is validated like any tensor, but stored as the key it is tied to
         _key_pieces(key, ranks, ts, key in tied, pieces)
+    return pieces, headers
 
-    owners, sizes = _owners(metas, pieces)
 
-    # ---- files: one per rank that writes anything; entries (name, code, shape, nbytes) in piece order,
-    # then the rank's per-rank tensors
-    entries_of: Dict[int, List[Tuple[str, str, Shape, int]]] = {}
-    index_of: Dict[int, List[int]] = {}  # per file: the piece index of each entry, -1 - i for per-rank tensor i
-    offset_name: Dict[Shape, str] = {}
+def _file_entries(metas: Sequence[RankMeta], pieces: List[_Piece], owners: List[int], sizes: List[int],
+                  headers: Mapping[str, _Header]) -> Tuple[Dict[int, List[_Entry]], Dict[int, List[int]]]:
+    """Each writing rank's file entries, in piece order then its per-rank tensors.
+
+    Returns ``(entries_of, index_of)`` per rank: the entries ``(name, code, shape, nbytes)``, and
+    beside each the piece index it stores (``-1 - i`` for the rank's per-rank tensor ``i``), so the
+    laid-out byte ranges can be traced back to pieces. Names are those ``format.piece_name`` gives.
+    """
+    entries_of: Dict[int, List[_Entry]] = {}
+    index_of: Dict[int, List[int]] = {}
+    offset_name: Dict[Shape, str] = {}  # one suffix string per distinct offset
     for idx, (key, off, shp, code, _holders) in enumerate(pieces):
         r = owners[idx]
         gshape = headers[key][1]
@@ -395,10 +425,21 @@ def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:
         for i, (k, code, shape) in enumerate(m.per_rank):
             entries_of.setdefault(r, []).append((k, code, shape, numel(shape) * itemsize(code)))
             index_of.setdefault(r, []).append(-1 - i)
+    return entries_of, index_of
 
+
+def _lay_out_files(metas: Sequence[RankMeta], pieces: List[_Piece], entries_of: Mapping[int, List[_Entry]],
+                   index_of: Mapping[int, List[int]]
+                   ) -> Tuple[Dict[str, FilePlan], List[_Where], Dict[Tuple[int, int], _Where]]:
+    """Lay out one data file per writing rank (``format.layout_entries``: header and byte ranges).
+
+    Returns the file plans, where each piece's bytes lie (by piece index), and where each per-rank
+    tensor's lie (by ``(rank, i)``).
+    """
+    world = len(metas)
     files: Dict[str, FilePlan] = {}
-    where: List[Tuple[str, int, int]] = [("", 0, 0)] * len(pieces)
-    per_rank_where: Dict[Tuple[int, int], Tuple[str, int, int]] = {}
+    where: List[_Where] = [("", 0, 0)] * len(pieces)
+    per_rank_where: Dict[Tuple[int, int], _Where] = {}
     for r in sorted(entries_of):
         name = data_file_name(r)
         try:
@@ -420,7 +461,12 @@ def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:
                 items.append(_write_item(k, True, (0,) * len(shape), name, start, end))
         items.sort(key=_START)
         files[name] = FilePlan(name, r, header, size, tuple(items))
+    return files, where, per_rank_where
 
+
+def _tensor_plans(pieces: List[_Piece], owners: List[int], where: List[_Where],
+                  headers: Mapping[str, _Header], tied: Mapping[str, str]) -> Dict[str, TensorPlan]:
+    """Every tensor key's plan, its pieces in piece order; a tied key gets the pieces of its target."""
     grouped: Dict[str, List[PiecePlan]] = {}
     for (key, off, shp, _code, _holders), owner, (file, start, end) in zip(pieces, owners, where):
         g = grouped.get(key)
@@ -431,20 +477,20 @@ def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:
     for key, (dtype, gshape, sharded) in headers.items():
         a = tied.get(key, "")
         tensors[key] = TensorPlan(key, dtype, gshape, sharded, tuple(grouped.get(a or key, ())), a)
-    per_rank_plans: List[Dict[str, TensorPlan]] = []
+    return tensors
+
+
+def _per_rank_plans(metas: Sequence[RankMeta],
+                    per_rank_where: Mapping[Tuple[int, int], _Where]) -> List[Dict[str, TensorPlan]]:
+    """Each rank's per-rank tensors' plans: one piece each, written by that rank."""
+    plans: List[Dict[str, TensorPlan]] = []
     for r, m in enumerate(metas):
         d = {}
         for i, (k, code, shape) in enumerate(m.per_rank):
             file, start, end = per_rank_where[(r, i)]
             d[k] = TensorPlan(k, code, shape, False, (PiecePlan((0,) * len(shape), shape, r, file, start, end),))
-        per_rank_plans.append(d)
-    return SavePlan(
-        world_size=world,
-        tensors=tensors,
-        per_rank=per_rank_plans,
-        files=files,
-        signatures=tuple(m.signature() for m in metas),
-    )
+        plans.append(d)
+    return plans
 
 
 def _ties(by_key: Mapping[str, Tuple[Sequence[int], Sequence[TensorMeta]]]) -> Dict[str, str]:

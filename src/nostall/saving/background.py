@@ -33,8 +33,11 @@ log = logging.getLogger("nostall")
 _POLL_S = 0.1
 # A fresh interpreter running nostall.saving.writer.main (imported, so that the
 # messages it pickles name nostall.saving.writer's classes, not __main__'s).
-# The watchdog starts before anything is imported: a trainer that dies while its writer is still
-# starting (the imports take 0.2 s, more on a busy machine) must not leave the writer running meanwhile.
+# A writer must never outlive its trainer: an orphan still writing or committing could touch a root
+# that a restarted job has taken over. So its first lines start a watchdog thread that kills it once
+# its parent is no longer the trainer, before anything is imported (the imports take 0.2 s, more on a
+# busy machine, and a trainer may die meanwhile). Not PR_SET_PDEATHSIG: that fires when the *thread*
+# that started the process exits.
 _WRITER_MAIN = (
     "import os, signal, sys, threading, time\n"
     "def _watch(trainer=int(sys.argv[2])):\n"
@@ -42,9 +45,9 @@ _WRITER_MAIN = (
     "        time.sleep(0.1)\n"
     "    os.kill(os.getpid(), signal.SIGKILL)\n"
     "if int(sys.argv[2]):\n"
-    "    threading.Thread(target=_watch, name='nostall-trainer-watch-early', daemon=True).start()\n"
+    "    threading.Thread(target=_watch, name='nostall-trainer-watch', daemon=True).start()\n"
     "from nostall.saving.writer import main\n"
-    "sys.exit(main(int(sys.argv[1]), int(sys.argv[2])))\n"
+    "sys.exit(main(int(sys.argv[1])))\n"
 )
 
 

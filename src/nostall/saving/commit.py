@@ -1,7 +1,7 @@
 """The save job and the commit routine: written once, run by every kind of save.
 
 :func:`run_job` is one rank's part of one save: write its files into the
-save's staging area, upload them (object storage), report them, and, on the
+save's staging directory, upload them (object storage), report them, and, on the
 committing rank, decide and commit. A synchronous save runs it inline in the
 trainer; an asynchronous one in the rank's background writer process; the
 interop writers run it with a world of one. Only the barrier between the
@@ -30,7 +30,7 @@ from nostall.core.faults import crash_point
 from nostall.errors import CheckpointSaveError, describe
 from nostall.saving.datafiles import History, Writer
 from nostall.core.format import FileRecord, Placed
-from nostall.core.jobs import Done, JobResult, Outcome, PlannedPiece, SaveJob
+from nostall.core.jobs import Done, JobResult, Outcome, PlannedPiece, SaveJob, Written
 from nostall.saving import side_files
 
 log = logging.getLogger("nostall")
@@ -259,41 +259,90 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
     """
     t0 = time.perf_counter()
     deadline = time.monotonic() + job.timeout
-    dest, root = job.dest, job.dest.root
     res = JobResult(job.save_id, ok=False)
-    names = [f.name for f in job.files]
-    side = [n for n, _ in job.side_files]  # rank 0's side files, written with its data files
+    mine, written = _write_part(job, write, barrier, history, res, deadline)
+    res.write_s = time.perf_counter() - t0
+    crash_point("write.done", job.step)
+    t1 = time.perf_counter()
+    outcome = _settle(job, mine, barrier, deadline, res, later)
+    res.commit_s = time.perf_counter() - t1
+    res.ok = outcome.ok
+    if history is not None and outcome.ok and mine.ok:
+        history.committed(job, mine.placed, mine.files, written.ids)
+    if not res.ok:
+        if mine.ok:  # a failed write already removed its files
+            job.dest.root.remove_own_files(job.dest, job.rank, _own_names(job))
+        res.error = outcome.error or "unknown error"
+        if not mine.ok and mine.error not in res.error:
+            res.error = f"{mine.error}; {res.error}"
+    return res
+
+
+def _own_names(job: SaveJob) -> List[str]:
+    """The files this rank writes into the save's staging directory: its data files, and (rank 0)
+    the side files written with them."""
+    return [f.name for f in job.files] + [n for n, _ in job.side_files]
+
+
+def _drop_previous_records(job: SaveJob) -> None:
+    """Remove the previous save's records, if the job says so. Never raises.
+
+    Every rank was done with them before this save's plan; leftovers are only space (the next
+    claim's sweep removes them).
+    """
+    if job.drop_records is None:
+        return
+    try:
+        job.drop_records.root.drop_records(job.drop_records.save_id)
+    except Exception as e:
+        log.warning("could not remove the records of save %s: %s", job.drop_records.save_id, describe(e))
+
+
+def _write_part(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[History], res: JobResult,
+                deadline: float) -> Tuple[Done, Written]:
+    """Write and upload this rank's files; its done record, and what was written. Never raises.
+
+    A failure becomes a failed done record (reported like a success, so that rank 0 stops
+    waiting), and this rank's files are removed at once: on a full disk, the done record needs
+    the space. Sets ``res.bytes_written``.
+    """
+    dest, root = job.dest, job.dest.root
     try:
         if job.faults.writer_delay_s:
             time.sleep(job.faults.writer_delay_s)
-        if job.drop_records is not None:  # the previous save's: every rank was done with them before this plan
-            try:
-                job.drop_records.root.drop_records(job.drop_records.save_id)
-            except Exception as e:  # leftovers are only space (the next claim's sweep removes them)
-                log.warning("could not remove the records of save %s: %s", job.drop_records.save_id, describe(e))
+        _drop_previous_records(job)
         barrier.begin(job)
         staging = root.open_staging(dest, job.rank)
         job.faults.check_write(staging)
         crash_point("write.start", job.step)
         written = write(job, staging, history.base_for(job) if history is not None else None)
         side_files.write(staging, job.side_files)
-        own = [n for n in names if n in written.files]  # an incremental save may have left a file out
+        own = [f.name for f in job.files if f.name in written.files]  # an incremental save may leave a file out
         res.bytes_written = sum(written.files[n].size for n in own) + sum(len(b) for _, b in job.side_files)
-        root.upload(dest, job.rank, own + side, deadline)
+        root.upload(dest, job.rank, own + [n for n, _ in job.side_files], deadline)
 
         def stored(n: str) -> str:  # own files by their stored names; earlier checkpoints' as they are
             return n if "/" in n else root.data_name(dest, n)
 
         # keyed by the planned pieces (as the manifest skeleton has them), placed in the stored files
-        mine = Done(True, {k: replace(p, file=stored(p.file)) for k, p in written.placed.items()},
-                    {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()})
+        return Done(True, {k: replace(p, file=stored(p.file)) for k, p in written.placed.items()},
+                    {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()}), written
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
         log.error("%s", mine.error)
-        root.remove_own_files(dest, job.rank, names + side)  # first: on a full disk, the done record needs the space
-    res.write_s = time.perf_counter() - t0
-    crash_point("write.done", job.step)
-    t1 = time.perf_counter()
+        root.remove_own_files(dest, job.rank, _own_names(job))
+        return mine, Written()
+
+
+def _settle(job: SaveJob, mine: Done, barrier: Barrier, deadline: float, res: JobResult,
+            later: Optional[List[Callable[[], None]]]) -> Outcome:
+    """Report this rank's part and learn the save's outcome. Never raises.
+
+    Rank 0 gathers every rank's report, decides (commits or aborts) and announces the outcome,
+    even when its own report failed, so that nobody waits in vain; retention follows once the
+    other ranks can know the outcome (or goes to ``later``). Another rank waits for rank 0's
+    outcome. Sets ``res.timed_out`` when a wait timed out.
+    """
     try:
         dones: Optional[Dict[int, Done]] = barrier.gather(job, mine, deadline)
         gather_error = ""
@@ -302,37 +351,24 @@ def run_job(job: SaveJob, write: Writer, barrier: Barrier, history: Optional[His
         res.timed_out = isinstance(e, TimeoutError)
         log.error("%s", gather_error)
     if job.rank == 0:
-        # rank 0 always decides and announces, even when its own report failed: nobody waits in vain
         outcome = _decide(job, dones if dones is not None else {0: Done(False, error=gather_error)})
         try:
             barrier.announce(job, outcome, deadline + COMMIT_SLACK_S / 4)
         except Exception as e:  # what rank 0 reports stays what is on disk; the others time out
             log.error("rank 0: announcing the outcome of step %s failed: %s", job.step, describe(e))
         if outcome.ok:  # after the other ranks can know the outcome
-            if later is not None and root.retention_beside_next_save:
+            if later is not None and job.dest.root.retention_beside_next_save:
                 later.append(lambda: _after_commit(job))
             else:
                 _after_commit(job)
-    elif dones is None:
-        outcome = Outcome(False, gather_error)
-    else:
-        try:
-            outcome = barrier.await_outcome(job, deadline)
-        except Exception as e:
-            res.timed_out = isinstance(e, TimeoutError)
-            outcome = Outcome(False, f"rank {job.rank}: waiting for rank 0's outcome of step {job.step}: "
-                                     f"{describe(e)}")
-    res.commit_s = time.perf_counter() - t1
-    res.ok = outcome.ok
-    if history is not None and outcome.ok and mine.ok:
-        history.committed(job, mine.placed, mine.files, written.ids)
-    if not res.ok:
-        if mine.ok:  # a failed write already removed its files
-            root.remove_own_files(dest, job.rank, names + side)
-        res.error = outcome.error or "unknown error"
-        if not mine.ok and mine.error not in res.error:
-            res.error = f"{mine.error}; {res.error}"
-    return res
+        return outcome
+    if dones is None:
+        return Outcome(False, gather_error)
+    try:
+        return barrier.await_outcome(job, deadline)
+    except Exception as e:
+        res.timed_out = isinstance(e, TimeoutError)
+        return Outcome(False, f"rank {job.rank}: waiting for rank 0's outcome of step {job.step}: {describe(e)}")
 
 
 def _committed_here(job: SaveJob) -> bool:

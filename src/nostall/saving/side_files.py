@@ -23,7 +23,7 @@ import json
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, Mapping, Tuple, Union
+from typing import Any, Dict, Iterable, Mapping, Set, Tuple, Union
 
 from nostall.storage import files as storage
 from nostall.errors import InvalidStateError
@@ -78,20 +78,34 @@ def collect(files: Mapping[str, Any], reserved: Iterable[str] = ()) -> SideFiles
             for rel, found in _from_path(str(name), os.fspath(value), str(name)):
                 put(rel, found, str(name))
             continue
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            data = bytes(value)
-        elif isinstance(value, str):
-            data = value.encode()
-        elif isinstance(value, (dict, list)):
-            try:
-                data = (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-            except (TypeError, ValueError, RecursionError) as e:
-                raise InvalidStateError(f"side file {name!r}: not a JSON value ({type(e).__name__}: {e})") from None
-        else:
-            raise InvalidStateError(f"side file {name!r}: a {type(value).__name__}; give bytes, str, a JSON dict or "
-                                    "list, or a pathlib.Path of a file or directory")
-        put(str(name), data, str(name))
-    reserved = set(reserved)
+        put(str(name), _encode(str(name), value), str(name))
+    _check_each(out, origin, set(reserved))
+    names = sorted(out)
+    _check_total({n: d.size if isinstance(d, _OnDisk) else len(d) for n, d in out.items()}, origin)
+    read = {n: d.read(n, origin[n]) if isinstance(d, _OnDisk) else d for n, d in out.items()}
+    _check_total({n: len(d) for n, d in read.items()}, origin)  # a file that grew while it was read
+    return tuple((n, read[n]) for n in names)
+
+
+def _encode(name: str, value: Any) -> bytes:
+    """The bytes of a side file given by value: bytes as they are, str as UTF-8, a dict or list as
+    indented JSON (sorted keys, so that equal values give equal files)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (dict, list)):
+        try:
+            return (json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+        except (TypeError, ValueError, RecursionError) as e:
+            raise InvalidStateError(f"side file {name!r}: not a JSON value ({type(e).__name__}: {e})") from None
+    raise InvalidStateError(f"side file {name!r}: a {type(value).__name__}; give bytes, str, a JSON dict or "
+                            "list, or a pathlib.Path of a file or directory")
+
+
+def _check_each(out: Mapping[str, Union[bytes, _OnDisk]], origin: Mapping[str, str], reserved: Set[str]) -> None:
+    """Every name valid and not a data file's, every file within the per-file cap, no name both a
+    file and a directory; before any file given as a path is read."""
     for name, item in out.items():
         problem = side_file_problem(name) or ("it is a data file's name" if name in reserved else None)
         if problem:
@@ -103,10 +117,6 @@ def collect(files: Mapping[str, Any], reserved: Iterable[str] = ()) -> SideFiles
     for a, b in zip(names, names[1:]):
         if b.startswith(a + "/"):
             raise InvalidStateError(f"side files {a!r} and {b!r}: one would be a file and a directory at once")
-    _check_total({n: d.size if isinstance(d, _OnDisk) else len(d) for n, d in out.items()}, origin)
-    read = {n: d.read(n, origin[n]) if isinstance(d, _OnDisk) else d for n, d in out.items()}
-    _check_total({n: len(d) for n, d in read.items()}, origin)  # a file that grew while it was read
-    return tuple((n, read[n]) for n in names)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,14 @@ ranks meeting through records on the root. Messages are :class:`~nostall.core.jo
 from __future__ import annotations
 
 import logging
+import mmap
 import os
+import signal
+import socket
 import sys
 import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds
 from typing import Any, Callable, Iterator, List, NoReturn, Optional, Tuple
 
 from nostall.saving.commit import RecordBarrier, run_job
@@ -114,25 +119,6 @@ def _log_like_the_trainer() -> None:
     logger.propagate = False
 
 
-def _exit_with_trainer(trainer_pid: int) -> None:
-    """A daemon thread that kills this process once the trainer is gone.
-
-    A writer must never outlive its trainer: an orphan still writing or
-    committing could touch a root that a restarted job has taken over. (Not
-    PR_SET_PDEATHSIG: that fires when the *thread* that started us exits.)
-    """
-    import signal
-    import threading
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != trainer_pid:
-                os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(0.1)
-
-    threading.Thread(target=watch, name="nostall-trainer-watch", daemon=True).start()
-
-
 def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
     """Chunks of the job in progress, from the trainer (CHUNK or CHUNK_ABORT messages)."""
     last = [-1]
@@ -170,85 +156,107 @@ def _exit_now() -> NoReturn:
     os._exit(0)
 
 
-def main(fd: int, trainer_pid: int = 0) -> int:
+class _Server:
+    """The writer process's state between messages: the channel, the mapped staging area, the history."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.conn = Connection(os.dup(fd))
+        self.area: Optional[mmap.mmap] = None
+        self.view: Optional[memoryview] = None
+        self.history = History()  # this rank's last committed save, for incremental saves
+        # The priority drops once the writer is ready, not at start: start-up imports at nice 10 on a busy
+        # machine took seconds of the first save's deadline (importing s3fs 0.6 s at nice 0, 5 s at nice 10).
+        self.lowered = False
+
+    def serve(self, msg: Msg) -> None:
+        """Answer one message from the trainer (STOP is the caller's)."""
+        if msg.op is Op.ATTACH:
+            self.attach(msg.size)
+        elif msg.op is Op.WARM:
+            try:
+                msg.root.warm()
+            except Exception as e:  # the first save will meet (and report) the cause
+                log.warning("getting ready to write to %s failed: %s", msg.root, e)
+            self.lower_priority()
+        elif msg.op is Op.SAVE:
+            self.lower_priority()
+            assert msg.job is not None
+            self.save(msg.job)
+        elif msg.op is Op.PING:
+            self.conn.send(Msg(Op.PONG, size=os.getpid()))
+
+    def lower_priority(self) -> None:
+        if not self.lowered:
+            _lower_priority()
+            self.lowered = True
+
+    def attach(self, size: int) -> None:
+        """Map the staging area whose descriptor the trainer sends next (a new one replaces the last)."""
+        (afd,) = recvfds(self.sock, 1)
+        self.release_area()
+        self.area = mmap.mmap(afd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        os.close(afd)
+        self.view = memoryview(self.area)
+        self.conn.send(Msg(Op.ATTACHED, size=size))
+
+    def save(self, job: SaveJob) -> None:
+        """Run one save job and report its result; then run what rank 0 left for after the report.
+
+        The trainer learns of the commit first; retention and the sweep follow (the next job
+        waits for them).
+        """
+        if self.view is None:
+            result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
+            self.conn.send(Msg(Op.RESULT, result=result))
+            return
+        write = (write_chunked(self.view, _chunk_feed(self.conn, time.monotonic() + job.timeout))
+                 if job.chunked else from_area(self.view))
+        later: List[Callable[[], None]] = []
+        result = run_job(job, write, RecordBarrier(), self.history, later)
+        self.conn.send(Msg(Op.RESULT, result=result))
+        for step in later:
+            step()
+
+    def release_area(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        if self.area is not None:
+            self.area.close()
+            self.area = None
+
+    def close(self) -> None:
+        try:
+            self.release_area()
+        except BufferError:
+            pass  # a slice of the area is still referenced (a job cut short): the process exits anyway
+        self.conn.close()
+        self.sock.close()
+
+
+def main(fd: int) -> int:
     """The writer process: serve jobs from the trainer over the socket ``fd``.
 
-    Dies with its trainer (``trainer_pid``, when given).
+    It never outlives its trainer: the code that starts it
+    (``nostall.saving.background``) watches the trainer from the process's
+    first line, before any import.
     """
-    import mmap
-    import signal
-    import socket
-    from multiprocessing.connection import Connection
-    from multiprocessing.reduction import recvfds
-
     # The trainer decides when we stop: Ctrl-C / SIGTERM sent to the whole
     # process group must not kill a write half-way; the trainer drains us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _log_like_the_trainer()
-    if trainer_pid:
-        _exit_with_trainer(trainer_pid)
-    sock = socket.socket(fileno=fd)
-    conn = Connection(os.dup(fd))
-    area: Optional[mmap.mmap] = None
-    history = History()  # this rank's last committed save, for incremental saves
-    lowered = False  # the priority drops once the writer is ready (start-up imports at nice 10 on a busy
-    # machine took seconds of the first save's deadline: importing s3fs 0.6 s at nice 0, 5 s at nice 10)
-    view: Optional[memoryview] = None
+    server = _Server(fd)
     try:
         while True:
             try:
-                msg: Msg = conn.recv()
+                msg: Msg = server.conn.recv()
                 if msg.op is Op.STOP:
-                    conn.send(Msg(Op.STOPPED))
+                    server.conn.send(Msg(Op.STOPPED))
                     _exit_now()
-                if msg.op is Op.ATTACH:
-                    (afd,) = recvfds(sock, 1)
-                    if view is not None:
-                        view.release()
-                    if area is not None:
-                        area.close()
-                    area = mmap.mmap(afd, msg.size, mmap.MAP_SHARED, mmap.PROT_READ)
-                    os.close(afd)
-                    view = memoryview(area)
-                    conn.send(Msg(Op.ATTACHED, size=msg.size))
-                elif msg.op is Op.WARM:
-                    try:
-                        msg.root.warm()
-                    except Exception as e:  # the first save will meet (and report) the cause
-                        log.warning("getting ready to write to %s failed: %s", msg.root, e)
-                    if not lowered:
-                        _lower_priority()
-                        lowered = True
-                elif msg.op is Op.SAVE:
-                    if not lowered:
-                        _lower_priority()
-                        lowered = True
-                    job = msg.job
-                    assert job is not None
-                    if view is None:
-                        result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
-                    else:
-                        write = (write_chunked(view, _chunk_feed(conn, time.monotonic() + job.timeout))
-                                 if job.chunked else from_area(view))
-                        later: List[Callable[[], None]] = []
-                        result = run_job(job, write, RecordBarrier(), history, later)
-                        conn.send(Msg(Op.RESULT, result=result))  # the trainer learns first,
-                        for step in later:  # then retention and the sweep (the next job waits for them)
-                            step()
-                        continue
-                    conn.send(Msg(Op.RESULT, result=result))
-                elif msg.op is Op.PING:
-                    conn.send(Msg(Op.PONG, size=os.getpid()))
+                server.serve(msg)
             except (EOFError, OSError):
                 _exit_now()  # the trainer is gone (its end of the socket is closed)
     finally:
-        try:
-            if view is not None:
-                view.release()
-            if area is not None:
-                area.close()
-        except BufferError:
-            pass  # a slice of the area is still referenced (a job cut short): the process exits anyway
-        conn.close()
-        sock.close()
+        server.close()
