@@ -426,92 +426,111 @@ def import_dcp(src: Union[str, os.PathLike], dst: Union[str, os.PathLike], *, bl
     ``block_size`` must pass :func:`nostall.options.check_block_size`
     (ValueError otherwise, before anything is read or written).
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     from nostall.options import check_block_size
 
     check_block_size(block_size)
     if unsupported_objects not in ("error", "skip"):
         raise ValueError("unsupported_objects must be 'error' or 'skip'")
-    src = os.fspath(src)
-    if not os.path.isfile(os.path.join(src, ".metadata")):
-        raise CheckpointNotFoundError(f"{src} is not a DCP checkpoint (no .metadata file)")
-    reader = FileSystemReader(src)
-    try:
-        md = reader.read_metadata()
-        reader.set_up_storage_reader(md, True)
-    except Exception as e:
-        raise CheckpointCorruptError(f"{src}: cannot read the DCP metadata: {type(e).__name__}: {e}") from None
-    sd_md = md.state_dict_metadata
-    tensor_fqns = sorted(f for f, x in sd_md.items() if isinstance(x, TensorStorageMetadata))
-    byte_fqns = sorted(f for f, x in sd_md.items() if isinstance(x, BytesStorageMetadata))
+    source = _DcpSource(os.fspath(src))
+    md = source.md
+    tensor_fqns = sorted(f for f, x in md.state_dict_metadata.items() if isinstance(x, TensorStorageMetadata))
+    byte_fqns = sorted(f for f, x in md.state_dict_metadata.items() if isinstance(x, BytesStorageMetadata))
     tensor_keys, object_keys = _nostall_keys(_paths(md), tensor_fqns)
-    planner = _ChunkPlanner()
+    values = _read_values(source, byte_fqns, unsupported_objects)  # non-tensor values first (small): JSON
+    objects: Dict[str, Any] = {}
+    for key, fqns in object_keys.items():
+        if all(f in values for f in fqns):
+            objects[key] = _fill(_structure_of(key, fqns, md), values)
+    tensors = [_tensor_source(source, fqn, tensor_keys[fqn]) for fqn in tensor_fqns]
+    total = sum(numel(p.shape) * torch_dtype(t.dtype).itemsize for t in tensors for p in t.pieces)
+    prog = Progress(f"import {source.src} -> {dst}", total, progress)
+    manifest = write_checkpoint(os.fspath(dst), tensors, objects, block_size=block_size, progress=prog)
+    prog.finish()
+    log.info("imported %d tensor(s) and %d value(s) from DCP checkpoint %s into %s", len(tensors), len(objects),
+             source.src, dst)
+    return manifest
 
-    def read_chunk(fqn: str, index: int, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor:
+
+class _DcpSource:
+    """A DCP checkpoint directory, opened with torch's FileSystemReader: its metadata, and its items
+    read one at a time (a tensor chunk, a non-tensor value)."""
+
+    def __init__(self, src: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if not os.path.isfile(os.path.join(src, ".metadata")):
+            raise CheckpointNotFoundError(f"{src} is not a DCP checkpoint (no .metadata file)")
+        self.src = src
+        self.reader = FileSystemReader(src)
+        try:
+            self.md = self.reader.read_metadata()
+            self.reader.set_up_storage_reader(self.md, True)
+        except Exception as e:
+            raise CheckpointCorruptError(f"{src}: cannot read the DCP metadata: {type(e).__name__}: {e}") from None
+        self.planner = _ChunkPlanner()
+
+    def chunk(self, fqn: str, index: int, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """Chunk ``index`` of tensor ``fqn``, read whole."""
         sizes = tuple(int(s) for s in chunk.sizes)
         offsets = torch.Size(chunk.offsets)
         buf = torch.empty(sizes, dtype=dtype)
-        planner.targets = {(fqn, tuple(offsets)): buf}
+        self.planner.targets = {(fqn, tuple(offsets)): buf}
         zeros = torch.Size((0,) * len(sizes))
         item = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, offsets), dest_offsets=zeros,
                         storage_index=MetadataIndex(fqn, offsets, index), storage_offsets=zeros,
                         lengths=torch.Size(sizes))
         try:
-            reader.read_data(LoadPlan([item]), planner).wait()
+            self.reader.read_data(LoadPlan([item]), self.planner).wait()
         except Exception as e:
-            raise CheckpointCorruptError(f"{src}: reading {fqn!r} chunk at {list(offsets)} failed: "
+            raise CheckpointCorruptError(f"{self.src}: reading {fqn!r} chunk at {list(offsets)} failed: "
                                          f"{type(e).__name__}: {e}") from None
-        planner.targets = {}
+        self.planner.targets = {}
         return buf
 
-    # non-tensor values first (small): they must be JSON
+    def value(self, fqn: str, index: int) -> Any:
+        """The non-tensor item ``fqn`` (the ``index``-th), as ``torch.load(weights_only=True)`` reads it."""
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=torch.Size(()),
+                        storage_index=MetadataIndex(fqn, None, index), storage_offsets=torch.Size(()),
+                        lengths=torch.Size(()))
+        self.reader.read_data(LoadPlan([item]), self.planner).wait()
+        return self.planner.values.pop(fqn)
+
+
+def _read_values(source: _DcpSource, byte_fqns: Sequence[str], unsupported_objects: str) -> Dict[str, Any]:
+    """Every non-tensor item that is a JSON value, by its fqn; one that is not is refused
+    (``unsupported_objects="error"``) or left out, logged (``"skip"``)."""
     values: Dict[str, Any] = {}
     for i, fqn in enumerate(byte_fqns):
-        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=torch.Size(()),
-                        storage_index=MetadataIndex(fqn, None, i), storage_offsets=torch.Size(()),
-                        lengths=torch.Size(()))
         try:
-            reader.read_data(LoadPlan([item]), planner).wait()
-            v = planner.values.pop(fqn)
+            v = source.value(fqn, i)
             check_json(v, fqn)
             values[fqn] = to_json(v)
         except Exception as e:
-            msg = (f"{src}: value {fqn!r} is not a JSON value that loads with weights_only=True "
+            msg = (f"{source.src}: value {fqn!r} is not a JSON value that loads with weights_only=True "
                    f"({type(e).__name__}: {e})")
             if unsupported_objects == "error":
                 raise CheckpointLoadError(
                     msg + "; pass unsupported_objects='skip' (--skip-unsupported) to leave it out") from None
             log.warning("%s; skipped", msg)
-    objects: Dict[str, Any] = {}
-    for key, fqns in object_keys.items():
-        if all(f in values for f in fqns):
-            objects[key] = _fill(_structure_of(key, fqns, md), values)
+    return values
 
-    tensors: List[TensorSource] = []
-    for fqn in tensor_fqns:
-        tmd = sd_md[fqn]
-        assert isinstance(tmd, TensorStorageMetadata)  # tensor_fqns holds only those
-        code = dtype_code(tmd.properties.dtype)
-        if code is None:
-            raise CheckpointSaveError(
-                f"{src}: tensor {fqn!r} has dtype {tmd.properties.dtype}, which nostall cannot store")
-        dtype = tmd.properties.dtype
-        pieces = []
-        for idx, ch in enumerate(tmd.chunks):
-            def produce(fqn: str = fqn, idx: int = idx, ch: ChunkStorageMetadata = ch,
-                        dtype: torch.dtype = dtype) -> torch.Tensor:
-                return read_chunk(fqn, idx, ch, dtype)
 
-            pieces.append(PieceSource(tuple(int(x) for x in ch.offsets), tuple(int(x) for x in ch.sizes), produce))
-        tensors.append(TensorSource(tensor_keys[fqn], code, tuple(int(x) for x in tmd.size), pieces))
-    total = sum(numel(p.shape) * torch_dtype(t.dtype).itemsize for t in tensors for p in t.pieces)
-    prog = Progress(f"import {src} -> {dst}", total, progress)
-    manifest = write_checkpoint(os.fspath(dst), tensors, objects, block_size=block_size, progress=prog)
-    prog.finish()
-    log.info("imported %d tensor(s) and %d value(s) from DCP checkpoint %s into %s", len(tensors), len(objects),
-             src, dst)
-    return manifest
+def _tensor_source(source: _DcpSource, fqn: str, key: str) -> TensorSource:
+    """Tensor ``fqn`` as nostall key ``key``: one piece per DCP chunk, each read when its turn comes."""
+    tmd = source.md.state_dict_metadata[fqn]
+    assert isinstance(tmd, TensorStorageMetadata)  # called for tensors only
+    code = dtype_code(tmd.properties.dtype)
+    if code is None:
+        raise CheckpointSaveError(
+            f"{source.src}: tensor {fqn!r} has dtype {tmd.properties.dtype}, which nostall cannot store")
+    dtype = tmd.properties.dtype
+    pieces = []
+    for idx, ch in enumerate(tmd.chunks):
+        def produce(idx: int = idx, ch: ChunkStorageMetadata = ch) -> torch.Tensor:
+            return source.chunk(fqn, idx, ch, dtype)
+
+        pieces.append(PieceSource(tuple(int(x) for x in ch.offsets), tuple(int(x) for x in ch.sizes), produce))
+    return TensorSource(key, code, tuple(int(x) for x in tmd.size), pieces)
 
 
 def _structure_of(key: str, fqns: List[str], md: Metadata) -> Any:
