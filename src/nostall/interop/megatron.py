@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -219,6 +219,17 @@ def _common_skeleton(common: Any, tensors: List[torch.Tensor], path: str = "") -
     return to_json(common)
 
 
+@dataclass
+class _Local:
+    """What this rank found in its sharded state dict (see :func:`_inspect`)."""
+
+    pieces: List[_Piece] = field(default_factory=list)
+    descr: List[Tuple[str, Shape, Shape, Shape, str]] = field(default_factory=list)  # each piece, for the others
+    objects: Dict[str, Any] = field(default_factory=dict)  # the main replicas of its ShardedObjects, as JSON
+    skeleton: Any = None  # rank 0: the common state's JSON skeleton
+    common_tensors: List[torch.Tensor] = field(default_factory=list)  # rank 0: the common state's tensors
+
+
 def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
              content_metadata: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The nostall state of a Megatron sharded state dict, for ``nostall.save`` or
@@ -230,42 +241,70 @@ def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
     mp = _mapping()
     rank, world = _dist(process_group)
     err: Optional[str] = None
-    pieces: List[_Piece] = []
-    descr: List[Tuple[str, Shape, Shape, Shape, str]] = []
-    objects: Dict[str, Any] = {}
-    skeleton: Any = None
-    common_tensors: List[torch.Tensor] = []
+    local = _Local()
     try:
-        st_leaves: List[Tuple[str, Any]] = []
-        obj_leaves: List[Tuple[str, Any]] = []
-        common = _collect(sharded_state_dict, (), mp, st_leaves, obj_leaves)
-        for where, st in st_leaves:
-            piece = _tensor_piece(st, where)
-            if piece is not None:
-                pieces.append(piece)
-                descr.append((piece.key, piece.sub, piece.off, piece.shape, json.dumps(piece.layout, sort_keys=True)))
-        for where, ob in obj_leaves:
-            if not _is_main(ob.replica_id):
-                continue
-            try:
-                check_json(ob.data, ob.unique_key)
-            except InvalidStateError as e:
-                raise InvalidStateError(f"{where}: ShardedObject {ob.unique_key!r} holds a value that is not JSON "
-                                        f"(nostall never pickles): {e}") from None
-            objects[ob.unique_key] = to_json(ob.data)
-        if rank == 0:
-            skeleton = _common_skeleton(common if common is not _DROP else {}, common_tensors)
-            if content_metadata is not None:
-                check_json(content_metadata, "content_metadata")
+        _inspect(sharded_state_dict, mp, rank, content_metadata, local)
     except InvalidStateError as e:
         err = str(e)
     except Exception as e:  # must reach the other ranks too
         err = f"unexpected error while inspecting the sharded state dict: {describe(e)}"
-    gathered = _all_gather((err, descr, objects), process_group)
+    gathered = _all_gather((err, local.descr, local.objects), process_group)
     failed = [(r, g[0]) for r, g in enumerate(gathered) if g[0]]
     if failed:
         raise InvalidStateError("Megatron state rejected on rank(s) " + "; ".join(f"rank {r}: {m}" for r, m in failed))
+    layouts, boxes, boxed, all_objects = _agree(gathered)
+    state: Dict[str, Any] = nest(_nostall_leaves(local.pieces, boxed, rank))
+    if rank == 0:
+        meta_tensors = {}
+        for key, (_, lay) in sorted(layouts.items()):
+            info = json.loads(lay)
+            info["boxes"] = sorted([list(s), list(o), list(sh)] for s, o, sh in boxes[key]) if key in boxed else None
+            meta_tensors[key] = info
+        state[META_KEY] = {
+            "version": _FORMAT_VERSION,
+            "tensors": meta_tensors,
+            "objects": dict(sorted(all_objects.items())),
+            "common": local.skeleton,
+            "content_metadata": to_json(content_metadata) if content_metadata is not None else None,
+        }
+        if local.common_tensors:
+            state[_COMMON_KEY] = {str(i): t for i, t in enumerate(local.common_tensors)}
+    return state
 
+
+def _inspect(sharded_state_dict: Dict[str, Any], mp: Any, rank: int, content_metadata: Optional[Dict[str, Any]],
+             local: _Local) -> None:
+    """Walk this rank's sharded state dict into ``local``: its tensor pieces, their descriptions,
+    the main replicas of its objects (JSON) and, on rank 0, the common state. Raises
+    :class:`~nostall.InvalidStateError` for what cannot be saved (what was found so far stays in ``local``)."""
+    st_leaves: List[Tuple[str, Any]] = []
+    obj_leaves: List[Tuple[str, Any]] = []
+    common = _collect(sharded_state_dict, (), mp, st_leaves, obj_leaves)
+    for where, st in st_leaves:
+        piece = _tensor_piece(st, where)
+        if piece is not None:
+            local.pieces.append(piece)
+            local.descr.append((piece.key, piece.sub, piece.off, piece.shape,
+                                json.dumps(piece.layout, sort_keys=True)))
+    for where, ob in obj_leaves:
+        if not _is_main(ob.replica_id):
+            continue
+        try:
+            check_json(ob.data, ob.unique_key)
+        except InvalidStateError as e:
+            raise InvalidStateError(f"{where}: ShardedObject {ob.unique_key!r} holds a value that is not JSON "
+                                    f"(nostall never pickles): {e}") from None
+        local.objects[ob.unique_key] = to_json(ob.data)
+    if rank == 0:
+        local.skeleton = _common_skeleton(common if common is not _DROP else {}, local.common_tensors)
+        if content_metadata is not None:
+            check_json(content_metadata, "content_metadata")
+
+
+def _agree(gathered: List[Any]) -> Tuple[Dict[str, Tuple[int, str]], Dict[str, set], set, Dict[str, Any]]:
+    """From every rank's descriptions: each tensor's layout (the first rank's; another rank describing it
+    otherwise is refused), every box of it, the tensors some rank holds several boxes of at one index
+    (stored box by box), and every rank's objects."""
     layouts: Dict[str, Tuple[int, str]] = {}
     boxes: Dict[str, set] = {}
     boxed: set = set()
@@ -283,8 +322,12 @@ def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
             if len(b) > 1:
                 boxed.add(key)
         all_objects.update(objs)
+    return layouts, boxes, boxed, all_objects
 
-    leaves: Dict[str, Any] = {}
+
+def _nostall_leaves(pieces: Sequence[_Piece], boxed: set, rank: int) -> Dict[str, NostallShardedTensor]:
+    """This rank's pieces as nostall ShardedTensors, by nostall key (see the module docstring)."""
+    leaves: Dict[str, NostallShardedTensor] = {}
     for pc in pieces:
         comps: List[Any] = [pc.key] + [str(i) for i in pc.sub]
         if pc.key in boxed:
@@ -301,23 +344,7 @@ def to_state(sharded_state_dict: Dict[str, Any], *, process_group: Any = None,
             if not leaf.is_main_replica:
                 continue
         leaves[nkey] = leaf
-    state: Dict[str, Any] = nest(leaves)
-    if rank == 0:
-        meta_tensors = {}
-        for key, (_, lay) in sorted(layouts.items()):
-            info = json.loads(lay)
-            info["boxes"] = sorted([list(s), list(o), list(sh)] for s, o, sh in boxes[key]) if key in boxed else None
-            meta_tensors[key] = info
-        state[META_KEY] = {
-            "version": _FORMAT_VERSION,
-            "tensors": meta_tensors,
-            "objects": dict(sorted(all_objects.items())),
-            "common": skeleton,
-            "content_metadata": to_json(content_metadata) if content_metadata is not None else None,
-        }
-        if common_tensors:
-            state[_COMMON_KEY] = {str(i): t for i, t in enumerate(common_tensors)}
-    return state
+    return leaves
 
 
 def _is_manager(target: Any) -> bool:
