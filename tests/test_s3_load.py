@@ -34,16 +34,16 @@ def uploaded(s3, tmp_path_factory):
 
 
 def test_load_from_s3_reads_only_the_needed_ranges(s3, uploaded, monkeypatch):
-    from nostall.storage import remote
+    from nostall.loading.engine import DataFiles
 
     fetched = []
-    real = remote.RemoteFiles.read
+    real = DataFiles.read
 
     def counting(self, name, offset, length, into=None):
         fetched.append(length)
         return real(self, name, offset, length, into)
 
-    monkeypatch.setattr(remote.RemoteFiles, "read", counting)
+    monkeypatch.setattr(DataFiles, "read", counting)
     part = nostall.ShardedTensor(torch.zeros(16, 256), (256, 256), (100, 0))  # 16 rows = 16 KiB
     got = nostall.load({"w": part, "meta": None}, uploaded, storage_options=s3.storage_options)
     assert torch.equal(part.data, _full()[100:116]) and got["meta"] == {"step": 7}

@@ -24,6 +24,7 @@ import torch
 
 import nostall
 from nostall.core import boxes as _boxes, format as fmt
+from nostall.loading import engine
 from nostall.loading import reader as loading
 from nostall.storage import files as storage
 from nostall.tools.cli import main as cli_main
@@ -615,7 +616,7 @@ def reblock(path: Path, block_size: int) -> None:
 @pytest.mark.parametrize("block_size", [8000, 3 * 2**10 + 8])
 def test_verify_with_a_block_size_that_does_not_divide_the_window(tmp_path: Path, monkeypatch,
                                                                   block_size: int) -> None:
-    monkeypatch.setattr(loading, "_READ_CHUNK", 64 << 10)  # several windows in a small tensor
+    monkeypatch.setattr(engine, "READ_CHUNK", 64 << 10)  # several windows in a small tensor
     path = tmp_path / "c"
     w = torch.arange(100_000, dtype=torch.float32)  # 400 KB: about 6 windows
     nostall.save({"w": w}, str(path))

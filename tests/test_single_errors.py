@@ -731,9 +731,9 @@ def test_huge_declared_header_is_refused_before_reading(ckpt: Path, monkeypatch)
 
 def test_huge_manifest_is_refused_before_reading(ckpt: Path, monkeypatch) -> None:
     from nostall.core import format as fmt
-    from nostall.loading import reader as loading
+    from nostall.storage import posix
 
-    monkeypatch.setattr(loading, "MAX_MANIFEST_BYTES", 100)
+    monkeypatch.setattr(posix, "MAX_MANIFEST_BYTES", 100)
     assert (ckpt / "manifest.json").stat().st_size > 100
     with pytest.raises(nostall.CheckpointLoadError, match="more than the 100 accepted"):
         nostall.load(good_template(), str(ckpt))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import nostall
-from nostall.loading import reader as loading
+from nostall.loading import engine
 from nostall.errors import CheckpointCorruptError
 from nostall.interop.export import export
 from nostall.loading.reader import check_checkpoint
@@ -121,14 +121,14 @@ def test_tied_weight_written_once_loaded_tied_and_untied(tmp_path, monkeypatch):
 
     # into a fresh tied model: bit-exact, still tied, and the shared bytes are read once
     calls = []
-    real = loading._execute
-    monkeypatch.setattr(loading, "_execute", lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1])
+    real = engine.execute
+    monkeypatch.setattr(engine, "execute", lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1])
     fresh = TiedNet(seed=2)
     nostall.load(fresh.state_dict(), tied_dir)
     assert_same_model(fresh, model)
     assert_tied(fresh)
     assert sorted(calls) == ["emb.weight", "mid.bias", "mid.weight"]
-    monkeypatch.setattr(loading, "_execute", real)
+    monkeypatch.setattr(engine, "execute", real)
 
     # into an untied template: both keys get the values
     template = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
@@ -418,12 +418,12 @@ def _dtensor_tied(rank, world, root):
     nostall.save({"emb": dt, "head": dt}, root)
     fresh = distribute_tensor(torch.zeros(VOCAB, DIM), mesh, [Shard(0)])
     calls = []
-    real = loading._execute
-    loading._execute = lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1]
+    real = engine.execute
+    engine.execute = lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1]
     try:
         nostall.load({"emb": fresh, "head": fresh}, root)
     finally:
-        loading._execute = real
+        engine.execute = real
     assert torch.equal(fresh.full_tensor(), w)
     return sorted(calls)
 

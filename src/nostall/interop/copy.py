@@ -44,7 +44,7 @@ import stat
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from nostall.storage.locate import resolve, split_checkpoint
+from nostall.storage.locate import local_path, resolve, split_checkpoint
 from nostall.storage.root import Root
 from nostall.storage import remote
 from nostall.saving.datafiles import Writer
@@ -125,7 +125,7 @@ def _place(path: str, *, follow_last: bool) -> str:
     empty component, no trailing ``/``); a local path absolute, its parents' symbolic links resolved, and
     the last component's too only with ``follow_last`` (a destination that is a link is refused as one later,
     and nothing is ever written through it)."""
-    if remote.is_remote(path):
+    if local_path(path) is None:
         scheme, _, rest = str(path).partition("://")
         return f"{scheme.lower()}://" + "/".join(c for c in rest.split("/") if c)
     full = os.path.abspath(os.fspath(path))
@@ -150,14 +150,13 @@ def _check_apart(src: str, dst: str, m: Manifest, so: Optional[Dict[str, Any]],
     (an incremental one's earlier checkpoints), is inside one of them, or holds one: the copy would be written
     into what it reads, or replacing ``dst`` would delete it. Real paths are compared (symbolic links of
     ``dst``'s parents resolved), object-storage URLs normalized; nothing is written before this check."""
-    if remote.is_remote(src) != remote.is_remote(dst):
+    if (local_path(src) is None) != (local_path(dst) is None):
         return
-    if remote.is_remote(src) and dso is not so and _endpoint(dso) != _endpoint(so):
+    if local_path(src) is None and dso is not so and _endpoint(dso) != _endpoint(so):
         return  # another endpoint: another store (the same URL there is another object)
     to = _place(dst, follow_last=False)
     me = _place(src, follow_last=True)
-    parent = (str(src).rstrip("/").rpartition("/")[0] if remote.is_remote(src)
-              else os.path.dirname(os.path.abspath(src)))  # where the loader finds the references
+    parent = split_checkpoint(src, so)[0].url  # where the loader finds the references
     read = [(me, f"the checkpoint being copied ({src})")]
     for ck in sorted({n.split("/")[0] for n in m.references}):
         read.append((_place(f"{parent}/{ck}", follow_last=True),
@@ -214,7 +213,7 @@ def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
         raise CheckpointSaveError(f"{dst}: not a usable checkpoint name ({name!r}): name a directory such as "
                                   "ckpt_copy/ or s3://bucket/prefix/step_100")
     fix = "choose another destination, or remove it first"
-    if remote.is_remote(dst):
+    if local_path(dst) is None:
         if root.is_checkpoint(name):
             if not overwrite:
                 raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite "
@@ -336,7 +335,7 @@ def _endpoints(src: str, dst: str, overwrite: bool, so: Optional[Dict[str, Any]]
     sroot, sname, _ = resolve(os.fspath(src), storage_options=so)
     src_path = sroot.path(sname)
     dst = os.fspath(dst)
-    if remote.is_remote(dst):
+    if local_path(dst) is None:
         dst = dst.rstrip("/")
     m = read_manifest(src_path, so)
     _check_apart(src_path, dst, m, so, dso)

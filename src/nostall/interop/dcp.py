@@ -72,9 +72,10 @@ from torch.distributed.checkpoint.storage import StorageReader
 from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from nostall.loading.reader import _execute, _open_files, _Read, _Verifier, read_manifest
+from nostall.loading.engine import Read, Verifier, execute, open_files
+from nostall.loading.reader import read_manifest
 from nostall.core.model import check_json, numel, to_json, walk
-from nostall.storage import remote
+from nostall.storage.locate import local_path
 from nostall.interop._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
 
 log = logging.getLogger("nostall.interop")
@@ -120,8 +121,8 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
-        path = os.fspath(checkpoint_id)
-        if remote.is_remote(path):
+        path = local_path(checkpoint_id)
+        if path is None:
             return False  # never picked automatically for a URL; pass Reader(url) explicitly
         return os.path.isfile(os.path.join(path, MANIFEST_NAME))
 
@@ -160,7 +161,7 @@ class Reader(StorageReader):
         # DefaultLoadPlanner keeps the caller's state, flattened, as `state_dict` (fqn -> value): where it
         # holds a tuple, the JSON value (a list) is handed back as one
         template = getattr(planner, "state_dict", None)
-        files = _open_files(self._path(), m, self.storage_options)
+        files = open_files(self._path(), m, self.storage_options)
         try:
             tensor_items = []
             for item in plan.items:
@@ -181,7 +182,7 @@ class Reader(StorageReader):
                     rec, piece = self._piece(item)
                     tensor_items.append((piece.file, piece.start, item, rec, piece))
             tensor_items.sort(key=lambda x: (x[0], x[1]))
-            with torch.no_grad(), _Verifier(self.verify) as checks:
+            with torch.no_grad(), Verifier(self.verify) as checks:
                 for _, _, item, rec, piece in tensor_items:
                     target = planner.resolve_tensor(item).detach()
                     lengths = tuple(int(x) for x in item.lengths)
@@ -195,7 +196,7 @@ class Reader(StorageReader):
                         dest = target
                     else:
                         dest = torch.empty(lengths, dtype=target.dtype)
-                    _execute(_Read(rec, piece, box, lengths, dest), files, m, checks)
+                    execute(Read(rec, piece, box, lengths, dest), files, m, checks)
                     if dest is not target:
                         checks.finish()  # dest's bytes are checked before they reach the target
                         target.copy_(dest)

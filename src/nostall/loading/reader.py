@@ -1,34 +1,29 @@
-"""Loading: fill a template state from a checkpoint, resharding as needed.
+"""Loading: fill a template state from a checkpoint, resharding as needed; verify a checkpoint.
 
 No collective is needed: every rank reads the manifest and, for each tensor of
 its template, the byte ranges of the saved pieces that intersect the region it
 holds. Reads are aligned to checksum blocks, so every byte used is verified.
 A piece needed whole lands straight in the destination tensor (no extra copy).
+The reads themselves are :mod:`nostall.loading.engine`'s; every file is read
+through the checkpoint's :class:`~nostall.storage.root.Root`.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import logging
 import os
-import stat
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from nostall.storage import remote, files as storage
-from nostall.core.tensorbuf import byte_view
-from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, CheckpointNotFoundError
 from nostall.core.dtypes import torch_dtype
 from nostall.core.format import (
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
-    MAX_MANIFEST_BYTES,
     MAX_SIDE_FILE_BYTES,
     Manifest,
     PieceRecord,
@@ -37,40 +32,29 @@ from nostall.core.format import (
     crc,
     parse_file_header,
 )
-from nostall.core.model import PerRank, ShardedTensor, dtensor_box, is_dtensor, numel, walk, walk_value
+from nostall.core.model import PerRank, ShardedTensor, dtensor_box, is_dtensor, walk, walk_value
+from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, CheckpointNotFoundError
+from nostall.loading import engine
+from nostall.loading.engine import DataFiles, Read, Shape, verify_window
+from nostall.storage.locate import open_root, split_checkpoint
+
+__all__ = ["VerifyReport", "check_checkpoint", "load_state", "read_manifest", "read_side_file",
+           "referenced_file_problems", "side_file_location", "verify_window"]
 
 log = logging.getLogger("nostall")
-
-Shape = Tuple[int, ...]
-_READ_CHUNK = 64 << 20
-_VERIFY_WINDOW = 16 << 20  # whole-piece reads go in windows of this size, each checked while the next is read
 
 
 def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
     """The manifest of the committed checkpoint at ``path`` (a directory or an object-storage URL)."""
-    if remote.is_remote(path):
-        mpath = f"{path.rstrip('/')}/{MANIFEST_NAME}"
-        try:
-            raw = remote.read_small(mpath, MAX_MANIFEST_BYTES, storage_options)
-        except CheckpointNotFoundError:
-            raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options)) from None
-        return Manifest.from_json_bytes(raw, mpath)
-    if not os.path.isdir(path):
-        raise CheckpointNotFoundError(f"no checkpoint at {path}")
-    mpath = os.path.join(path, MANIFEST_NAME)
-    try:
-        raw = storage.read_whole(mpath, MAX_MANIFEST_BYTES)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(_not_a_checkpoint(path)) from None
-    except OSError as e:
-        raise CheckpointLoadError(f"{mpath}: cannot read the manifest: {e}") from None
-    return Manifest.from_json_bytes(raw, mpath)
+    root, name = split_checkpoint(path, storage_options)
+    raw = root.load_manifest_bytes(name)
+    if raw is None:
+        raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options))
+    return Manifest.from_json_bytes(raw, root.path(f"{name}/{MANIFEST_NAME}"))
 
 
 def _not_a_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> str:
     """Why ``path`` (no manifest) cannot be loaded: a run root (then what to pass), or not a checkpoint."""
-    from nostall.storage.locate import open_root
-
     try:
         root = open_root(path, storage_options=storage_options)
         steps = root.steps()
@@ -86,76 +70,6 @@ def _not_a_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = Non
     return f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
 
 
-@dataclass
-class _Read:
-    rec: TensorRecord
-    piece: PieceRecord
-    box_off: Shape  # global offset of the region to read (inside the piece)
-    box_shape: Shape
-    dest: torch.Tensor  # view of the destination covering exactly the region
-
-
-class _Files:
-    """The data files of one local checkpoint, opened on first use and checked against the manifest sizes."""
-
-    def __init__(self, directory: str, manifest: Manifest) -> None:
-        self.dir = directory
-        self.manifest = manifest
-        self.fds: Dict[str, int] = {}
-
-    def path(self, name: str) -> str:
-        """Own files are in the checkpoint's directory; ``<checkpoint>/<file>`` in a sibling of it (incremental).
-
-        The sibling is found from the absolute path: a checkpoint given as ``.`` or ``./`` has no parent in
-        its name (``dirname`` of it is empty, which would look inside the checkpoint itself)."""
-        if "/" in name:
-            return os.path.join(os.path.dirname(os.path.abspath(self.dir)), name)
-        return os.path.join(self.dir, name)
-
-    def _fd(self, name: str) -> int:
-        fd = self.fds.get(name)
-        if fd is None:
-            path = self.path(name)
-            if "/" in name and name.split("/")[0] == os.path.basename(os.path.abspath(self.dir)):
-                # (the manifest's rule refuses its own step; this is a directory renamed after its commit)
-                raise CheckpointCorruptError(f"{os.path.join(self.dir, MANIFEST_NAME)}: referenced file {name!r} "
-                                             "is in this checkpoint's own directory, not an earlier checkpoint's; "
-                                             "the manifest is damaged: restore it or load another checkpoint")
-            try:
-                if "/" in name and not stat.S_ISDIR(os.lstat(os.path.dirname(path)).st_mode):
-                    raise OSError(errno.ELOOP, "is not a directory (a symbolic link?): it is not followed",
-                                  os.path.dirname(path))
-                fd = storage.open_regular(path)
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"{path}: data file missing{referenced_hint(name)}") from None
-            except OSError as e:
-                raise CheckpointCorruptError(f"{path}: cannot open the data file: {e.strerror}") from None
-            size = os.fstat(fd).st_size
-            want = self.manifest.all_files()[name].size
-            if size != want:
-                os.close(fd)
-                raise CheckpointCorruptError(f"{path}: size {size} bytes, the manifest says {want} (truncated?)")
-            self.fds[name] = fd
-        return fd
-
-    def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
-        return storage.read_exact(self._fd(name), offset, length, self.path(name), into)
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
-def referenced_hint(name: str) -> str:
-    """What to say when a data file ``name`` of a manifest is missing: more when it is an earlier checkpoint's."""
-    if "/" not in name:
-        return ""
-    return (f" (an earlier checkpoint's file that this incremental checkpoint reads unchanged pieces from: the "
-            f"checkpoint was copied or moved without its root, or {name.split('/')[0]} was deleted by hand; copy "
-            "the whole root, or make a self-contained copy with 'nostall copy' from where the root is whole)")
-
-
 def referenced_file_problems(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
     """One line, naming the file, for each file of an earlier checkpoint that ``m`` (the manifest of the
     checkpoint at ``path``) reads and that is not there as listed: missing, not a regular file (or behind a
@@ -164,164 +78,17 @@ def referenced_file_problems(path: str, m: Manifest, storage_options: Optional[D
     reads every byte. Errors that are not damage (object storage unreachable) are raised."""
     if not m.references:
         return []
-    files = _open_files(path, m, storage_options)
-    check = files._check if isinstance(files, remote.RemoteFiles) else files._fd
+    files = engine.open_files(path, m, storage_options)
     problems = []
     try:
         for name in sorted(m.references):
             try:
-                check(name)
+                files.check(name)
             except CheckpointCorruptError as e:
                 problems.append(str(e))
     finally:
         files.close()
     return problems
-
-
-def _open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]],
-                timeout: Optional[float] = None) -> Any:
-    """The data-file source of the checkpoint at ``path``: local files or ranged object reads.
-
-    ``timeout``: object storage only, the hard bound of each ranged read (retries included).
-    """
-    if remote.is_remote(path):
-        return remote.RemoteFiles(path, {n: f.size for n, f in m.all_files().items()}, storage_options, timeout)
-    return _Files(path, m)
-
-
-def _check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str, bs: int) -> None:
-    for i in range(0, len(buf), bs):
-        b = first_block + i // bs
-        if crc(buf[i : i + bs]) != piece.crc32c[b]:
-            lo = piece.start + b * bs
-            hi = min(lo + bs, piece.end)
-            raise CheckpointCorruptError(
-                f"{path}: checksum mismatch in bytes [{lo}, {hi}) (key {rec.key!r}, piece at "
-                f"offset {list(piece.offset)}): the file is corrupt"
-            )
-
-
-class _Verifier:
-    """Checks blocks against their checksums in one thread while the next bytes are read.
-
-    At most ``depth`` buffers wait at a time (a buffer stays referenced until
-    checked). :meth:`finish` waits for every check and raises the first
-    mismatch; a load returns only after it. ``enabled=False`` checks nothing.
-    """
-
-    def __init__(self, enabled: bool, depth: int = 4) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-verify") if enabled else None
-        self._pending: Deque["Future[None]"] = collections.deque()
-        self._depth = depth
-
-    def check(self, buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str,
-              bs: int) -> None:
-        if self._pool is None:
-            return
-        while len(self._pending) >= self._depth:
-            self._pending.popleft().result()
-        self._pending.append(self._pool.submit(_check_blocks, buf, first_block, piece, rec, path, bs))
-
-    def finish(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def __enter__(self) -> "_Verifier":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _execute(r: _Read, files: Any, m: Manifest, checks: _Verifier) -> None:
-    bs = m.block_size
-    piece, rec = r.piece, r.rec
-    path = files.path(piece.file)
-    dtype = torch_dtype(rec.dtype)
-    isz = dtype.itemsize
-    if numel(r.box_shape) == 0:
-        return
-    whole = r.box_shape == piece.shape
-    dest = r.dest
-    if whole and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
-        buf = byte_view(dest)
-        window = max(bs, _VERIFY_WINDOW // bs * bs)  # whole blocks, so each window checks on its own
-        for lo in range(0, piece.nbytes, window):
-            part = buf[lo : min(lo + window, piece.nbytes)]
-            files.read(piece.file, piece.start + lo, len(part), into=part)
-            checks.check(part, lo // bs, piece, rec, path, bs)
-        return
-    pshape = piece.shape
-    nd = len(pshape)
-    strides = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * pshape[d + 1]
-    loc = [b - p for b, p in zip(r.box_off, piece.offset)]
-    if nd == 0:
-        rows = [(0, 1)]
-        row_elems = 1
-    else:
-        row_elems = strides[0]
-        per = max(1, _READ_CHUNK // max(1, row_elems * isz))
-        rows = [(a, min(a + per, loc[0] + r.box_shape[0])) for a in range(loc[0], loc[0] + r.box_shape[0], per)]
-    for a, b in rows:
-        if nd == 0:
-            first, last = 0, 1
-        else:
-            first = a * strides[0] + sum(loc[d] * strides[d] for d in range(1, nd))
-            last = (b - 1) * strides[0] + sum((loc[d] + r.box_shape[d] - 1) * strides[d] for d in range(1, nd)) + 1
-        lo = (first * isz) // bs * bs
-        hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
-        buf = files.read(piece.file, piece.start + lo, hi - lo)
-        checks.check(buf, lo // bs, piece, rec, path, bs)
-        flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-        if nd == 0:
-            src = flat.reshape(())
-            dst = dest
-        else:
-            size = (b - a,) + tuple(r.box_shape[1:])
-            src = flat.as_strided(size, strides, first - lo // isz)
-            dst = dest.narrow(0, a - loc[0], b - a)
-        dst.copy_(src)
-
-
-def _plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[_Read]) -> None:
-    """Reads filling ``dest`` (global region ``off`` + dest.shape) from ``rec``'s pieces."""
-    shape = tuple(dest.shape)
-    if numel(shape) == 0:
-        return
-    for p in rec.pieces:
-        lo = tuple(max(a, b) for a, b in zip(off, p.offset))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, p.offset, p.shape))
-        if any(h <= l for l, h in zip(lo, hi)):
-            continue
-        box = tuple(h - l for l, h in zip(lo, hi))
-        view = dest
-        for d, (l, n) in enumerate(zip(lo, box)):
-            view = view.narrow(d, l - off[d], n)
-        out.append(_Read(rec, p, lo, box, view))
-
-
-def _unique_reads(reads: List[_Read]) -> List[_Read]:
-    """``reads`` without repeats: a read of the same saved bytes into the same memory as an earlier one.
-
-    A tied model (one Parameter under two keys) saved with tied keys gives two reads per piece that
-    are the same read; one is enough.
-    """
-    seen = set()
-    out = []
-    for r in reads:
-        d, p = r.dest, r.piece
-        ident = (str(d.device), d.dtype, d.data_ptr(), tuple(d.shape), tuple(d.stride()),
-                 p.file, p.start, p.end, p.crc32c, r.box_off, r.box_shape)
-        if ident not in seen:
-            seen.add(ident)
-            out.append(r)
-    return out
 
 
 def _writable(addr: int) -> bool:
@@ -467,9 +234,25 @@ def load_state(
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")
     m = manifest if manifest is not None else read_manifest(path, storage_options)
-    reads: List[_Read] = []
+    plan = _TemplatePlan(m, path, rank, world_size, per_rank)
+    restored = walk(template, plan.visit)
+    files = engine.open_files(path, m, storage_options, timeout)
+    try:
+        _fill(engine.in_file_order(engine.unique_reads(plan.reads)), files, m, verify)
+    finally:
+        files.close()
+    return restored
 
-    def visit(kind: str, key: str, v: Any) -> Any:
+
+class _TemplatePlan:
+    """A load's first phase: walk the template (:meth:`visit`), check each key against the manifest ``m``
+    and plan the reads of its tensors (:attr:`reads`); nothing is read or written yet."""
+
+    def __init__(self, m: Manifest, path: str, rank: int, world_size: int, per_rank: str) -> None:
+        self.m, self.path, self.rank, self.world_size, self.per_rank = m, path, rank, world_size, per_rank
+        self.reads: List[Read] = []
+
+    def visit(self, kind: str, key: str, v: Any) -> Any:
         if kind == "tensor":
             if isinstance(v, ShardedTensor):
                 dest, off, gshape = v.data, tuple(v.global_offset), tuple(v.global_shape)
@@ -477,30 +260,35 @@ def load_state(
                 dest, off, gshape, _ = dtensor_box(v, key)
             else:
                 dest, off, gshape = v, (0,) * v.dim(), tuple(v.shape)
-            rec = _check_tensor(key, m.tensors.get(key), dest, gshape, path)
-            _plan_reads(rec, dest, off, reads)
+            rec = _check_tensor(key, self.m.tensors.get(key), dest, gshape, self.path)
+            engine.plan_reads(rec, dest, off, self.reads)
             return v
         if kind == "object":
-            if key not in m.objects:
-                under = [k for k in m.tensors if k.startswith(key + "/")] if key else []
-                if under:
-                    raise CheckpointLoadError(
-                        f"key {key!r}: the checkpoint at {path} holds tensors under it (e.g. {under[0]!r}) but the "
-                        f"template has a {type(v).__name__} value there: give the template the same structure. "
-                        "An optimizer's state_dict() is empty until its first step: load a model and optimizer "
-                        "with load(model=..., optimizer=...), which needs no preparation"
-                    )
-                raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
-            return m.objects[key]
-        return _restore_per_rank(key, v)
+            return self._object(key, v)
+        return self._per_rank(key, v)
 
-    def _restore_per_rank(key: str, pr: PerRank) -> Any:
-        if m.world_size != world_size:
-            if per_rank == "skip":
+    def _object(self, key: str, v: Any) -> Any:
+        m, path = self.m, self.path
+        if key not in m.objects:
+            under = [k for k in m.tensors if k.startswith(key + "/")] if key else []
+            if under:
+                raise CheckpointLoadError(
+                    f"key {key!r}: the checkpoint at {path} holds tensors under it (e.g. {under[0]!r}) but the "
+                    f"template has a {type(v).__name__} value there: give the template the same structure. "
+                    "An optimizer's state_dict() is empty until its first step: load a model and optimizer "
+                    "with load(model=..., optimizer=...), which needs no preparation"
+                )
+            raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
+        return m.objects[key]
+
+    def _per_rank(self, key: str, pr: PerRank) -> Any:
+        m, path, rank = self.m, self.path, self.rank
+        if m.world_size != self.world_size:
+            if self.per_rank == "skip":
                 return pr.value
             raise CheckpointLoadError(
                 f"key {key!r}: PerRank values were saved by {m.world_size} ranks and cannot be restored on "
-                f"{world_size}; pass per_rank='skip' to keep the template's values"
+                f"{self.world_size}; pass per_rank='skip' to keep the template's values"
             )
         saved = m.per_rank[rank]
 
@@ -508,7 +296,7 @@ def load_state(
             full = key if not k else f"{key}/{k}"
             if kind == "tensor":
                 rec = _check_tensor(full, saved.tensors.get(full), v, tuple(v.shape), f"{path} (rank {rank})")
-                _plan_reads(rec, v, (0,) * v.dim(), reads)
+                engine.plan_reads(rec, v, (0,) * v.dim(), self.reads)
                 return v
             if kind == "object":
                 if full not in saved.objects:
@@ -518,33 +306,26 @@ def load_state(
 
         return walk_value(pr.value, inner)
 
-    restored = walk(template, visit)
-    reads = _unique_reads(reads)
-    files = _open_files(path, m, storage_options, timeout)
-    checks = _Verifier(verify)
-    try:
-        reads.sort(key=lambda r: (r.piece.file, r.piece.start))
-        with torch.no_grad():
-            for r in reads:
-                try:
-                    _execute(r, files, m, checks)
-                except OSError as e:
-                    hint = (" (the template's memory is not writable: load into writable tensors)"
-                            if e.errno == errno.EFAULT else "")
-                    raise CheckpointLoadError(
-                        f"key {r.rec.key!r}: reading {files.path(r.piece.file)} into the template failed: "
-                        f"{e.strerror or e}{hint}; check the storage and retry"
-                    ) from e
-                except RuntimeError as e:  # torch refusing the copy (e.g. an expanded template tensor)
-                    raise CheckpointLoadError(
-                        f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
-                        "a plain tensor of its own memory (e.g. .clone())"
-                    ) from e
-            checks.finish()
-    finally:
-        checks.close()
-        files.close()
-    return restored
+
+def _fill(reads: List[Read], files: DataFiles, m: Manifest, verify: bool) -> None:
+    """A load's second phase: perform ``reads`` (in file order), every byte verified before it returns."""
+    with engine.Verifier(verify) as checks, torch.no_grad():
+        for r in reads:
+            try:
+                engine.execute(r, files, m, checks)
+            except OSError as e:
+                hint = (" (the template's memory is not writable: load into writable tensors)"
+                        if e.errno == errno.EFAULT else "")
+                raise CheckpointLoadError(
+                    f"key {r.rec.key!r}: reading {files.path(r.piece.file)} into the template failed: "
+                    f"{e.strerror or e}{hint}; check the storage and retry"
+                ) from e
+            except RuntimeError as e:  # torch refusing the copy (e.g. an expanded template tensor)
+                raise CheckpointLoadError(
+                    f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
+                    "a plain tensor of its own memory (e.g. .clone())"
+                ) from e
+        checks.finish()
 
 
 @dataclass
@@ -573,52 +354,13 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     per damaged one.
     """
     m = read_manifest(path, storage_options)
-    files = _open_files(path, m, storage_options)
-    pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
-    seen = set()
-    recs = list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]
-    for rec in sorted(recs, key=lambda t: bool(t.tied_to)):  # a tied key's pieces are its target's: checked once
-        for p in rec.pieces:
-            if (p.file, p.start, p.end, p.crc32c) not in seen:
-                seen.add((p.file, p.start, p.end, p.crc32c))
-                pieces.setdefault(p.file, []).append((rec, p))
     problems: List[str] = []
     total = 0
+    pieces = _pieces_by_file(m)
+    files = engine.open_files(path, m, storage_options)
     try:
-        all_files = m.all_files()
-        for name in sorted(all_files):
-            fpath = files.path(name)
-            try:
-                head = files.read(name, 0, min(all_files[name].size, 1 << 20))
-                header, data_start = _header(head, files, name, all_files[name].size)
-            except (CheckpointError, OSError) as e:
-                problems.append(str(e))
-                continue
-            ranges = {}
-            for k, v in header.items():
-                if k != "__metadata__" and isinstance(v, dict):
-                    offs = v.get("data_offsets")
-                    if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
-                        ranges[(data_start + offs[0], data_start + offs[1])] = v
-            for rec, p in sorted(pieces.get(name, []), key=lambda x: x[1].start):
-                h = ranges.get((p.start, p.end))
-                shape = h.get("shape") if h is not None else None
-                if (h is None or h.get("dtype") != rec.dtype or not isinstance(shape, list)
-                        or tuple(shape) != tuple(p.shape)):
-                    problems.append(
-                        f"{fpath}: safetensors header does not match the manifest for key {rec.key!r} (it says "
-                        f"{_header_entry(h)}, the manifest dtype {rec.dtype} shape {list(p.shape)}); the data "
-                        "file is damaged or was replaced: restore it from a copy"
-                    )
-                bad = _bad_blocks(files, p, rec, m.block_size, problems)
-                if bad:
-                    lo = p.start + bad[0] * m.block_size
-                    problems.append(
-                        f"{fpath}: checksum mismatch in {len(bad)} of {len(p.crc32c)} block(s) of key {rec.key!r} "
-                        f"(piece at offset {list(p.offset)}), the first at bytes "
-                        f"[{lo}, {min(lo + m.block_size, p.end)})"
-                    )
-                total += p.nbytes
+        for name, rec in sorted(m.all_files().items()):
+            total += _check_file(files, name, rec.size, pieces.get(name, []), m.block_size, problems)
     finally:
         files.close()
     for side in sorted(m.side_files.values(), key=lambda r: r.name):
@@ -629,11 +371,61 @@ def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None
     return VerifyReport(path, len(m.all_files()), total, problems, len(m.side_files))
 
 
+def _pieces_by_file(m: Manifest) -> Dict[str, List[Tuple[TensorRecord, PieceRecord]]]:
+    """Every distinct piece of ``m`` (and the key that lists it), by data file, in file order."""
+    pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
+    seen = set()
+    recs = list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]
+    for rec in sorted(recs, key=lambda t: bool(t.tied_to)):  # a tied key's pieces are its target's: checked once
+        for p in rec.pieces:
+            if (p.file, p.start, p.end, p.crc32c) not in seen:
+                seen.add((p.file, p.start, p.end, p.crc32c))
+                pieces.setdefault(p.file, []).append((rec, p))
+    return {f: sorted(ps, key=lambda x: x[1].start) for f, ps in pieces.items()}
+
+
+def _check_file(files: DataFiles, name: str, size: int, pieces: List[Tuple[TensorRecord, PieceRecord]], bs: int,
+                problems: List[str]) -> int:
+    """Check the data file ``name`` (its header, then every block of ``pieces``) into ``problems``; the tensor
+    bytes checked."""
+    fpath = files.path(name)
+    try:
+        head = files.read(name, 0, min(size, 1 << 20))
+        header, data_start = _header(head, files, name, size)
+    except (CheckpointError, OSError) as e:
+        problems.append(str(e))
+        return 0
+    ranges = {}
+    for k, v in header.items():
+        if k != "__metadata__" and isinstance(v, dict):
+            offs = v.get("data_offsets")
+            if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
+                ranges[(data_start + offs[0], data_start + offs[1])] = v
+    total = 0
+    for rec, p in pieces:
+        h = ranges.get((p.start, p.end))
+        shape = h.get("shape") if h is not None else None
+        if h is None or h.get("dtype") != rec.dtype or not isinstance(shape, list) or tuple(shape) != tuple(p.shape):
+            problems.append(
+                f"{fpath}: safetensors header does not match the manifest for key {rec.key!r} (it says "
+                f"{_header_entry(h)}, the manifest dtype {rec.dtype} shape {list(p.shape)}); the data "
+                "file is damaged or was replaced: restore it from a copy"
+            )
+        bad = _bad_blocks(files, p, rec, bs, problems)
+        if bad:
+            lo = p.start + bad[0] * bs
+            problems.append(
+                f"{fpath}: checksum mismatch in {len(bad)} of {len(p.crc32c)} block(s) of key {rec.key!r} "
+                f"(piece at offset {list(p.offset)}), the first at bytes [{lo}, {min(lo + bs, p.end)})"
+            )
+        total += p.nbytes
+    return total
+
+
 def side_file_location(path: str, name: str) -> str:
     """Where the side file ``name`` of the checkpoint at ``path`` (a directory or URL) is."""
-    if remote.is_remote(path):
-        return f"{path.rstrip('/')}/{name}"
-    return os.path.join(path, *name.split("/"))
+    root, ckpt = split_checkpoint(path)
+    return root.side_location(ckpt, name)
 
 
 def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
@@ -645,14 +437,15 @@ def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dic
     the file when it is missing or damaged, :class:`~nostall.CheckpointError`
     when it cannot be read.
     """
-    url = side_file_location(path, rec.file)
-    where = url + (f" (side file {rec.name!r})" if rec.stored else "")
+    root, ckpt = split_checkpoint(path, storage_options)
+    label = f" (side file {rec.name!r})" if rec.stored else ""
+    where = root.side_location(ckpt, rec.file) + label
     if rec.size > MAX_SIDE_FILE_BYTES:
         raise CheckpointCorruptError(
             f"{where}: the manifest says this side file holds {rec.size} bytes, more than the "
             f"{MAX_SIDE_FILE_BYTES} a side file may; the manifest is damaged: restore it or load another checkpoint"
         )
-    data = _read_side_remote(url, rec, storage_options) if remote.is_remote(path) else _read_side_local(path, rec)
+    data = root.read_side(ckpt, rec.file, rec.size, label)
     if crc(data) != rec.crc32c:
         raise CheckpointCorruptError(
             f"{where}: side file checksum mismatch (crc32c {crc(data)}, the manifest says {rec.crc32c}): the "
@@ -661,70 +454,7 @@ def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dic
     return data
 
 
-def _side_size_problem(where: str, size: int, rec: SideFileRecord) -> CheckpointCorruptError:
-    return CheckpointCorruptError(
-        f"{where}: side file of {size} bytes, the manifest says {rec.size} (truncated or replaced?); restore it "
-        "from a copy"
-    )
-
-
-def _read_side_local(directory: str, rec: SideFileRecord) -> bytes:
-    parts = rec.file.split("/")
-    where = os.path.join(directory, *parts)
-    d = directory
-    for c in parts[:-1]:  # the directories on the way: none may be a symbolic link (nothing is followed)
-        d = os.path.join(d, c)
-        try:
-            mode = os.lstat(d).st_mode
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"{where}: side file missing (no directory {d})") from None
-        except OSError as e:
-            raise CheckpointError(f"{where}: cannot check the side file's directory {d}: {e.strerror or e}") from None
-        if not stat.S_ISDIR(mode):
-            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
-            raise CheckpointCorruptError(f"{where}: side file not reachable: {d} is {what}; checkpoint files must "
-                                         "be regular files in plain directories (restore the side file)")
-    try:
-        fd = storage.open_regular(where)
-    except FileNotFoundError:
-        raise CheckpointCorruptError(f"{where}: side file missing") from None
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EINVAL):  # a symbolic link, FIFO, device, directory...
-            raise CheckpointCorruptError(f"{where}: side file {e.strerror}") from None
-        raise CheckpointError(f"{where}: cannot open the side file: {e.strerror or e}") from None
-    try:
-        size = os.fstat(fd).st_size
-        if size != rec.size:
-            raise _side_size_problem(where, size, rec)
-        # exactly the manifest's size (at most MAX_SIDE_FILE_BYTES): a file growing meanwhile is not read further
-        return bytes(storage.read_exact(fd, 0, rec.size, where))
-    except OSError as e:
-        raise CheckpointError(f"{where}: cannot read the side file: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
-
-
-def _read_side_remote(url: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]]) -> bytes:
-    where = url + (f" (side file {rec.name!r})" if rec.stored else "")
-    try:
-        data = remote.read_small(url, MAX_SIDE_FILE_BYTES, storage_options)  # sized first, then bounded
-    except CheckpointNotFoundError:
-        raise CheckpointCorruptError(f"{where}: side file missing") from None
-    except CheckpointError:
-        raise
-    except Exception as e:  # the back end's own errors (connection, permission...)
-        raise CheckpointError(f"{where}: cannot read the side file: {e}") from e
-    if len(data) != rec.size:
-        raise _side_size_problem(where, len(data), rec)
-    return data
-
-
-def verify_window(bs: int) -> int:
-    """Bytes read at a time by :func:`check_checkpoint`: about ``_READ_CHUNK``, a whole number of blocks."""
-    return max(1, _READ_CHUNK // bs) * bs
-
-
-def _bad_blocks(files: Any, p: PieceRecord, rec: TensorRecord, bs: int, problems: List[str]) -> List[int]:
+def _bad_blocks(files: DataFiles, p: PieceRecord, rec: TensorRecord, bs: int, problems: List[str]) -> List[int]:
     bad: List[int] = []
     window = verify_window(bs)  # a multiple of the block size: every window starts on a block boundary
     for lo in range(0, p.nbytes, window):
@@ -747,7 +477,7 @@ def _header_entry(h: Any) -> str:
     return f"dtype {str(h.get('dtype'))[:40]} shape {str(h.get('shape'))[:80]}"
 
 
-def _header(head: memoryview, files: Any, name: str, size: int) -> Tuple[Dict[str, Any], int]:
+def _header(head: memoryview, files: DataFiles, name: str, size: int) -> Tuple[Dict[str, Any], int]:
     raw = bytes(head)
     if len(raw) >= 8:
         (n,) = struct.unpack("<Q", raw[:8])

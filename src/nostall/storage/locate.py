@@ -14,6 +14,12 @@ from nostall.storage.objects import ObjectRoot
 from nostall.storage.posix import PosixRoot
 from nostall.storage.root import Root, step_name
 
+def local_path(location: Any) -> Optional[str]:
+    """The local path ``location`` names, or None when it is an object-storage URL (for what can only read a
+    local directory, such as a DCP checkpoint, and for wording an error about credentials)."""
+    return None if remote.is_remote(location) else os.fspath(location)
+
+
 def open_root(url: str, *, storage_options: Optional[Dict[str, Any]] = None, local_staging: Optional[str] = None,
               timeout: float = 600.0, faults: Optional[Faults] = None) -> Root:
     """The root at ``url``: a directory (:class:`PosixRoot`) or an fsspec URL (:class:`ObjectRoot`)."""

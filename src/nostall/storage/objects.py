@@ -20,13 +20,13 @@ from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Tu
 
 from nostall.storage import remote
 from nostall.core.faults import Faults, crash_point
-from nostall.core.format import MANIFEST_NAME, Manifest
+from nostall.core.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, MAX_SIDE_FILE_BYTES, Manifest
 from nostall.core.jobs import Destination, Done, Outcome
-from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.storage.root import (
     DATA_RE, LATEST, LATEST_MAX_BYTES, MANIFEST_PROOF_MAX_BYTES, MARK_SUFFIX, NONE, OURS_RE, RECORD_MAX_BYTES,
-    RECORD_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, done_name, listed, lkind, parse_latest, parse_step,
-    record, retired_name, retired_proof, step_name, tagged,
+    RECORD_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, done_name, listed, lkind, parse_latest,
+    parse_step, record, referenced_hint, retired_name, retired_proof, side_size_problem, step_name, tagged,
 )
 
 log = logging.getLogger("nostall")
@@ -57,6 +57,33 @@ def _put(fs: Any, local: str, key: str, url: str, size: int) -> None:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     extra = {"chunksize": UPLOAD_PART_BYTES} if "s3" in protocols else {}
     fs.put_file(local, key, callback=Callback(hooks={"progress": progress}), **extra)
+
+
+class ObjectFile(StoredFile):
+    """A data file on object storage: each read one ranged GET, retried, bounded by ``timeout`` when given."""
+
+    def __init__(self, fs: Any, key: str, url: str, timeout: Optional[float]) -> None:
+        self.fs, self.key, self.path = fs, key, url
+        self.timeout = timeout  # hard bound of each call, retries included (None: the back end's timeouts)
+
+    def deadline(self) -> Optional[float]:
+        return time.monotonic() + self.timeout if self.timeout is not None else None
+
+    def read(self, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        try:
+            data = remote.retry(f"read {self.path} [{offset}, {offset + length})",
+                                lambda: self.fs.cat_file(self.key, start=offset, end=offset + length),
+                                deadline=self.deadline())
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: ranged read [{offset}, {offset + length}) failed: {e}") from e
+        if len(data) != length:
+            raise CheckpointCorruptError(
+                f"{self.path}: short read at {offset}: {len(data)} of {length} bytes (truncated?)"
+            )
+        if into is not None:
+            into[:length] = data
+            return into
+        return memoryview(bytearray(data))
 
 
 class ObjectRoot(Root):
@@ -193,6 +220,64 @@ class ObjectRoot(Root):
         if len(raw) != end - start:
             raise CheckpointCorruptError(f"{url}: truncated: wanted bytes [{start}, {end}), got {len(raw)}")
         into[:] = raw
+
+    # ------------------------------------------------------------------ a checkpoint's files, for readers
+    def load_manifest_bytes(self, name: str) -> Optional[bytes]:
+        try:
+            return remote.read_small(self.path(f"{name}/{MANIFEST_NAME}"), MAX_MANIFEST_BYTES, self.storage_options)
+        except CheckpointNotFoundError:
+            return None
+
+    def open_file(self, checkpoint: str, name: str, size: int, timeout: Optional[float] = None) -> StoredFile:
+        ref = self.ref_of(checkpoint, name)
+        f = ObjectFile(self._fs()[0], self._key(*ref.split("/")), self.path(ref), timeout)
+        try:
+            got = remote.retry(f"stat {f.path}", lambda: f.fs.size(f.key), deadline=f.deadline())
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{f.path}: data file missing{referenced_hint(name)}") from None
+        except Exception as e:
+            raise CheckpointError(f"{f.path}: cannot stat the data file: {e}") from e
+        if got != size:
+            raise CheckpointCorruptError(f"{f.path}: size {got} bytes, the manifest says {size} (truncated?)")
+        return f
+
+    def read_side(self, checkpoint: str, file: str, size: int, label: str = "") -> bytes:
+        url = self.side_location(checkpoint, file)
+        where = url + label
+        try:
+            data = remote.read_small(url, MAX_SIDE_FILE_BYTES, self.storage_options)  # sized first, then bounded
+        except CheckpointNotFoundError:
+            raise CheckpointCorruptError(f"{where}: side file missing") from None
+        except CheckpointError:
+            raise
+        except Exception as e:  # the back end's own errors (connection, permission...)
+            raise CheckpointError(f"{where}: cannot read the side file: {e}") from e
+        if len(data) != size:
+            raise side_size_problem(where, len(data), size)
+        return data
+
+    def read_small(self, name: str, limit: int) -> Optional[bytes]:
+        try:
+            return remote.read_small(self.path(name), limit, self.storage_options)
+        except CheckpointNotFoundError:
+            return None
+
+    def write_small(self, name: str, data: bytes, deadline: float) -> None:
+        fs = self._fs()[0]
+        self._retry(f"write {self.path(name)}", lambda: fs.pipe_file(self._key(name), data), deadline=deadline)
+
+    def is_file(self, name: str) -> bool:
+        return bool(self._fs()[0].isfile(self._key(name)))
+
+    def check_present(self) -> None:
+        fs, key = self._fs()
+        key = key.rstrip("/")
+        if fs.exists(key):
+            return
+        bucket = key.split("/", 1)[0]
+        if bucket and bucket != key and not fs.exists(bucket):
+            raise CheckpointNotFoundError(f"{self.url}: no such bucket {bucket!r} (or no access to it)")
+        raise CheckpointNotFoundError(f"{self.url}: nothing there (no object under this prefix)")
 
     # ------------------------------------------------------------------ lifetime
     def claim(self) -> Claim:

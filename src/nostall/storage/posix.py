@@ -21,14 +21,16 @@ from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from nostall.storage import files as storage
 from nostall.core.faults import Faults, crash_point
-from nostall.core.format import MANIFEST_NAME, Manifest
+from nostall.core.format import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest
 from nostall.core.jobs import Destination, Done, Outcome
-from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
+from nostall.errors import (
+    CheckpointCorruptError, CheckpointError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError,
+)
 from nostall.storage.root import (
     BESIDE_RE, LATEST, LATEST_MAX_BYTES, LOCK, MANIFEST_PROOF_MAX_BYTES, MARK_RE, MARK_SUFFIX, NONE, OURS_RE,
-    RECORD_MAX_BYTES, RETIRED_MARK_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, done_name,
-    is_nostall_manifest, listed, lkind, maker_gone, mark_content, parse_latest, parse_step, record, retired_name,
-    retired_proof, step_name,
+    RECORD_MAX_BYTES, RETIRED_MARK_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, done_name,
+    is_nostall_manifest, listed, lkind, maker_gone, mark_content, parse_latest, parse_step, record, referenced_hint,
+    retired_name, retired_proof, side_size_problem, step_name,
 )
 
 log = logging.getLogger("nostall")
@@ -60,6 +62,23 @@ def _create(path: str, data: bytes = b"") -> None:
             os.write(fd, data)
     finally:
         os.close(fd)
+
+
+class PosixFile(StoredFile):
+    """A data file open on a POSIX filesystem (its descriptor kept until :meth:`close`)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd: Optional[int] = fd
+        self.path = path
+
+    def read(self, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        assert self.fd is not None
+        return storage.read_exact(self.fd, offset, length, self.path, into)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class PosixRoot(Root):
@@ -187,6 +206,97 @@ class PosixRoot(Root):
 
     def read_into(self, ref: str, start: int, into: memoryview) -> None:
         storage.read_beneath(self.url, ref, start, into)
+
+    # ------------------------------------------------------------------ a checkpoint's files, for readers
+    def load_manifest_bytes(self, name: str) -> Optional[bytes]:
+        d = self.path(name)
+        if not os.path.isdir(d):
+            raise CheckpointNotFoundError(f"no checkpoint at {d}")
+        mpath = os.path.join(d, MANIFEST_NAME)
+        try:
+            return storage.read_whole(mpath, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise CheckpointLoadError(f"{mpath}: cannot read the manifest: {e}") from None
+
+    def open_file(self, checkpoint: str, name: str, size: int, timeout: Optional[float] = None) -> StoredFile:
+        path = self.path(self.ref_of(checkpoint, name))
+        try:
+            if "/" in name and not stat.S_ISDIR(os.lstat(os.path.dirname(path)).st_mode):
+                raise OSError(errno.ELOOP, "is not a directory (a symbolic link?): it is not followed",
+                              os.path.dirname(path))
+            fd = storage.open_regular(path)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path}: data file missing{referenced_hint(name)}") from None
+        except OSError as e:
+            raise CheckpointCorruptError(f"{path}: cannot open the data file: {e.strerror}") from None
+        got = os.fstat(fd).st_size
+        if got != size:
+            os.close(fd)
+            raise CheckpointCorruptError(f"{path}: size {got} bytes, the manifest says {size} (truncated?)")
+        return PosixFile(fd, path)
+
+    def read_side(self, checkpoint: str, file: str, size: int, label: str = "") -> bytes:
+        directory = self.path(checkpoint)
+        parts = file.split("/")
+        where = os.path.join(directory, *parts)
+        d = directory
+        for c in parts[:-1]:  # the directories on the way: none may be a symbolic link (nothing is followed)
+            d = os.path.join(d, c)
+            try:
+                mode = os.lstat(d).st_mode
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"{where}: side file missing (no directory {d})") from None
+            except OSError as e:
+                raise CheckpointError(
+                    f"{where}: cannot check the side file's directory {d}: {e.strerror or e}") from None
+            if not stat.S_ISDIR(mode):
+                what = "a symbolic link" if stat.S_ISLNK(mode) else "not a directory"
+                raise CheckpointCorruptError(f"{where}: side file not reachable: {d} is {what}; checkpoint files "
+                                             "must be regular files in plain directories (restore the side file)")
+        try:
+            fd = storage.open_regular(where)
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{where}: side file missing") from None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EINVAL):  # a symbolic link, FIFO, device, directory...
+                raise CheckpointCorruptError(f"{where}: side file {e.strerror}") from None
+            raise CheckpointError(f"{where}: cannot open the side file: {e.strerror or e}") from None
+        try:
+            got = os.fstat(fd).st_size
+            if got != size:
+                raise side_size_problem(where, got, size)
+            # exactly the manifest's size: a file growing meanwhile is not read further
+            return bytes(storage.read_exact(fd, 0, size, where))
+        except OSError as e:
+            raise CheckpointError(f"{where}: cannot read the side file: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+
+    def side_location(self, checkpoint: str, file: str) -> str:
+        return os.path.join(self.path(checkpoint), *file.split("/"))
+
+    def read_small(self, name: str, limit: int) -> Optional[bytes]:
+        path = self.path(name)
+        try:
+            return storage.read_small_file(path, limit)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.EFBIG:
+                raise CheckpointCorruptError(f"{path}: {e.strerror}") from None
+            raise
+
+    def write_small(self, name: str, data: bytes, deadline: float) -> None:
+        storage.atomic_write(self.path(name), data)
+
+    def is_file(self, name: str) -> bool:
+        return os.path.isfile(self.path(name))
+
+    def check_present(self) -> None:
+        if not os.path.isdir(self.url):
+            raise CheckpointError(f"{self.url}: no such directory")
 
     @staticmethod
     def _mark_of(path: str) -> str:

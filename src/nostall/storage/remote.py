@@ -122,66 +122,6 @@ def retry(what: str, fn: Callable[[], T], *, retries: int = RETRIES, deadline: O
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-class RemoteFiles:
-    """Ranged reads of one remote checkpoint's data files (the loader's source)."""
-
-    def __init__(self, url: str, sizes: Dict[str, int], storage_options: Optional[Dict[str, Any]] = None,
-                 timeout: Optional[float] = None) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout  # hard bound of each call, retries included (None: the back end's timeouts)
-        self.fs, self.base = filesystem(self.url, storage_options)
-        self.sizes = sizes
-        self.checked: Dict[str, bool] = {}
-
-    def path(self, name: str) -> str:
-        """Own files are under the checkpoint's URL; ``<checkpoint>/<file>`` beside it (incremental)."""
-        return f"{self.url.rpartition('/')[0] if '/' in name else self.url}/{name}"
-
-    def _key(self, name: str) -> str:
-        return f"{self.base.rstrip('/').rpartition('/')[0] if '/' in name else self.base}/{name}"
-
-    def _check(self, name: str) -> None:
-        if name in self.checked:
-            return
-        key = self._key(name)
-        try:
-            size = retry(f"stat {self.path(name)}", lambda: self.fs.size(key), deadline=self._deadline())
-        except FileNotFoundError:
-            from nostall.loading.reader import referenced_hint
-
-            raise CheckpointCorruptError(f"{self.path(name)}: data file missing{referenced_hint(name)}") from None
-        except Exception as e:
-            raise CheckpointError(f"{self.path(name)}: cannot stat the data file: {e}") from e
-        want = self.sizes[name]
-        if size != want:
-            raise CheckpointCorruptError(f"{self.path(name)}: size {size} bytes, the manifest says {want} (truncated?)")
-        self.checked[name] = True
-
-    def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
-        """Exactly ``length`` bytes at ``offset`` (one ranged GET); a short read is corruption."""
-        self._check(name)
-        key = self._key(name)
-        try:
-            data = retry(f"read {self.path(name)} [{offset}, {offset + length})",
-                         lambda: self.fs.cat_file(key, start=offset, end=offset + length), deadline=self._deadline())
-        except Exception as e:
-            raise CheckpointError(f"{self.path(name)}: ranged read [{offset}, {offset + length}) failed: {e}") from e
-        if len(data) != length:
-            raise CheckpointCorruptError(
-                f"{self.path(name)}: short read at {offset}: {len(data)} of {length} bytes (truncated?)"
-            )
-        if into is not None:
-            into[:length] = data
-            return into
-        return memoryview(bytearray(data))
-
-    def _deadline(self) -> Optional[float]:
-        return time.monotonic() + self.timeout if self.timeout is not None else None
-
-    def close(self) -> None:
-        pass
-
-
 def read_small(url: str, limit: int, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
     """A whole small object (a manifest): at most ``limit`` bytes, checked before reading.
 

@@ -207,6 +207,36 @@ class Claim:
             self._fd = None
 
 
+def referenced_hint(name: str) -> str:
+    """What to say when a data file ``name`` of a manifest is missing: more when it is an earlier checkpoint's."""
+    if "/" not in name:
+        return ""
+    return (f" (an earlier checkpoint's file that this incremental checkpoint reads unchanged pieces from: the "
+            f"checkpoint was copied or moved without its root, or {name.split('/')[0]} was deleted by hand; copy "
+            "the whole root, or make a self-contained copy with 'nostall copy' from where the root is whole)")
+
+
+def side_size_problem(where: str, size: int, want: int) -> CheckpointCorruptError:
+    return CheckpointCorruptError(
+        f"{where}: side file of {size} bytes, the manifest says {want} (truncated or replaced?); restore it "
+        "from a copy"
+    )
+
+
+class StoredFile(abc.ABC):
+    """A stored file of a checkpoint, opened for ranged reads by :meth:`Root.open_file`; ``close()`` ends it."""
+
+    path: str
+
+    @abc.abstractmethod
+    def read(self, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        """Exactly ``length`` bytes at ``offset`` (into ``into`` when given); a short read raises
+        :class:`~nostall.CheckpointCorruptError`."""
+
+    def close(self) -> None:  # noqa: B027 - optional step, no-op by default
+        """Release what the open holds (a descriptor)."""
+
+
 class Root(abc.ABC):
     """Every operation on one checkpoint root (see the module docstring). Picklable."""
 
@@ -307,6 +337,57 @@ class Root(abc.ABC):
     def read_into(self, ref: str, start: int, into: memoryview) -> None:
         """Read ``len(into)`` bytes of the stored file ``ref`` at ``start`` into ``into`` (nothing followed
         that is a link; a short file raises :class:`~nostall.CheckpointCorruptError`)."""
+
+    # ------------------------------------------------------------------ a checkpoint's files, for readers
+    # (loading, verify, inspect/ls, copy, the DCP reader, export, the reference trainer)
+    @staticmethod
+    def ref_of(checkpoint: str, name: str) -> str:
+        """Where the file ``name`` that the manifest of ``checkpoint`` lists is, as ``<checkpoint>/<file>``:
+        its own files are in it, an incremental checkpoint's ``<checkpoint>/<file>`` in that sibling."""
+        return name if "/" in name else f"{checkpoint}/{name}"
+
+    @abc.abstractmethod
+    def load_manifest_bytes(self, name: str) -> Optional[bytes]:
+        """The manifest of the checkpoint ``name`` as a load reads it: at most
+        :data:`~nostall.core.format.MAX_MANIFEST_BYTES`, the checkpoint reached as its user named it; None when
+        it has none. Raises :class:`~nostall.CheckpointNotFoundError` when ``name`` is no checkpoint directory,
+        :class:`~nostall.CheckpointLoadError` when the manifest cannot be read."""
+
+    @abc.abstractmethod
+    def open_file(self, checkpoint: str, name: str, size: int, timeout: Optional[float] = None) -> "StoredFile":
+        """The data file ``name`` of ``checkpoint``'s manifest (see :meth:`ref_of`), opened for ranged reads and
+        checked to be there as listed: a regular file reached through no link, of ``size`` bytes. Raises
+        :class:`~nostall.CheckpointCorruptError` naming it when it is not, :class:`~nostall.CheckpointError`
+        when the storage cannot tell. ``timeout``: object storage, the bound of each call (retries included)."""
+
+    @abc.abstractmethod
+    def read_side(self, checkpoint: str, file: str, size: int, label: str = "") -> bytes:
+        """The side file stored as ``file`` in ``checkpoint``: exactly ``size`` bytes (a regular file reached
+        through no link, never more read than that). Raises :class:`~nostall.CheckpointCorruptError` when it is
+        missing, not a regular file or of another size, :class:`~nostall.CheckpointError` when it cannot be
+        read. ``label`` (`` (side file 'x')``) follows the file's location in object storage's messages."""
+
+    def side_location(self, checkpoint: str, file: str) -> str:
+        """Where the side file stored as ``file`` in ``checkpoint`` is (for messages)."""
+        return self.path(f"{checkpoint}/{file}")
+
+    @abc.abstractmethod
+    def read_small(self, name: str, limit: int) -> Optional[bytes]:
+        """The small file ``name`` of the root (beside its checkpoints, e.g. a trainer's marker) of at most
+        ``limit`` bytes; None when absent. Raises :class:`~nostall.CheckpointCorruptError` when bigger."""
+
+    @abc.abstractmethod
+    def write_small(self, name: str, data: bytes, deadline: float) -> None:
+        """Replace the small file ``name`` of the root with ``data`` atomically (readers never see half)."""
+
+    @abc.abstractmethod
+    def is_file(self, name: str) -> bool:
+        """Whether a file (not a directory, not a prefix) named ``name`` is in the root."""
+
+    @abc.abstractmethod
+    def check_present(self) -> None:
+        """Raise :class:`~nostall.CheckpointError` naming what is missing when nothing is at the root's
+        location (no directory; on object storage, no bucket or no object under the prefix)."""
 
     # ------------------------------------------------------------------ lifetime
     @abc.abstractmethod

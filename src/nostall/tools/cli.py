@@ -30,28 +30,19 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from nostall import __version__
-from nostall.storage.locate import open_root, resolve, split_checkpoint
+from nostall.storage.locate import local_path, open_root, resolve, split_checkpoint
 from nostall.storage.root import LATEST, Root, step_name
-from nostall.storage import remote
-from nostall.errors import CheckpointError, CheckpointNotFoundError
+from nostall.errors import CheckpointError
 from nostall.core.format import Manifest
 from nostall.loading.reader import check_checkpoint, read_manifest, referenced_file_problems
 
 
 def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optional[str]:
     """The run root when ``path`` is that root's ``latest`` pointer (a file), else None."""
-    if remote.is_remote(path):
-        url = str(path).rstrip("/")
-        parent, _, base = url.rpartition("/")
-        if base != LATEST or parent.endswith(":/"):
-            return None
-        fs, key = remote.filesystem(url, so)
-        return parent if fs.isfile(key) else None
-    full = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(full)
-    if os.path.basename(full) == LATEST and os.path.isfile(full) and os.path.isdir(parent):
-        return parent
-    return None
+    root, name = split_checkpoint(path, so)
+    if name != LATEST or root.url.endswith(":"):  # ("s3://latest" is in no root)
+        return None
+    return root.url if root.is_file(name) else None
 
 
 def _resolve(path: str, so: Optional[Dict[str, Any]] = None) -> str:
@@ -240,18 +231,6 @@ def _entry(root: Root, name: str, step: Optional[int], so: Optional[Dict[str, An
     return e
 
 
-def _check_remote_root(url: str, so: Optional[Dict[str, Any]]) -> None:
-    """Object storage has no directories: a root with nothing under it (or no bucket) is missing."""
-    fs, key = remote.filesystem(url, so)
-    key = key.rstrip("/")
-    if fs.exists(key):
-        return
-    bucket = key.split("/", 1)[0]
-    if bucket and bucket != key and not fs.exists(bucket):
-        raise CheckpointNotFoundError(f"{url}: no such bucket {bucket!r} (or no access to it)")
-    raise CheckpointNotFoundError(f"{url}: nothing there (no object under this prefix)")
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     so = _options(args)
     where = _latest_file_root(args.root, so) or args.root
@@ -263,10 +242,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         parent, name = split_checkpoint(where, so)
         if parent.is_checkpoint(name):  # a one-shot checkpoint directory: list it alone
             entries = [_entry(parent, name, None, so, None)]
-        elif remote.is_remote(where):
-            _check_remote_root(where, so)
-        elif not os.path.isdir(where):
-            raise CheckpointError(f"{where}: no such directory")
+        else:
+            root.check_present()  # (object storage has no directories: nothing under it, or no bucket)
     out = {"root": root.url, "latest": latest,
            "checkpoints": entries}
     rc = 1 if any(e["broken"] for e in entries) else 0  # listed all the same
@@ -352,7 +329,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     dst_kind = args.to or ("nostall" if src_kind == "dcp" else "safetensors")
     if src_kind == "nostall" and dst_kind == "nostall":
         raise CheckpointError("convert: --from nostall needs --to safetensors or --to torch")
-    if src_kind == "dcp" and remote.is_remote(args.src):
+    if src_kind == "dcp" and local_path(args.src) is None:
         raise CheckpointError("convert --from dcp reads a local DCP directory")
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     memory_limit = parse_size(args.memory_limit)
@@ -602,7 +579,7 @@ def _failed(cmd: str, e: BaseException, path: Optional[str], so: Optional[Dict[s
     msg = str(e).strip() if known else f"{type(e).__name__}: {str(e).strip()}"  # e.g. botocore's NoCredentialsError
     if not str(e).strip():
         msg = type(e).__name__
-    if path is not None and remote.is_remote(path) and so is None and not isinstance(e, CheckpointError):
+    if path is not None and local_path(path) is None and so is None and not isinstance(e, CheckpointError):
         msg += " (object storage: pass --storage-options, or set the credentials and endpoint in the environment)"
     print(f"nostall {cmd}: FAILED: {msg}", file=sys.stderr)
     return 1

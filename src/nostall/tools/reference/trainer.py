@@ -38,12 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from nostall.errors import CheckpointError, CheckpointNotFoundError
+from nostall.errors import CheckpointCorruptError, CheckpointError
 from nostall.handles import SaveHandle
 from nostall.integrations.strategy import ParallelLayout, Strategy
 from nostall.core.model import PerRank
-from nostall.storage.remote import filesystem, is_remote, read_small, retry
-from nostall.storage.files import atomic_write
+from nostall.storage.locate import open_root
 from nostall.tools.reference.data import Loader, make_corpus
 from nostall.tools.reference.model import GPT, GPTConfig
 from nostall.tools.reference.parallel import ParallelGroups, allreduce_dp_grads, gather_full_state, init_parallel
@@ -61,25 +60,17 @@ def write_marker(ckpt_dir: str, record: Dict[str, Any], storage_options: Optiona
     """Replace ``<ckpt_dir>/trainer_marker.json`` with ``record`` atomically (a rename on a filesystem,
     one PUT on object storage)."""
     data = json.dumps(record, indent=1, sort_keys=True).encode() + b"\n"
-    if is_remote(ckpt_dir):
-        fs, key = filesystem(f"{ckpt_dir.rstrip('/')}/{MARKER}", storage_options)
-        retry(f"write {ckpt_dir}/{MARKER}", lambda: fs.pipe_file(key, data), deadline=time.monotonic() + timeout)
-    else:
-        atomic_write(os.path.join(ckpt_dir, MARKER), data)
+    open_root(ckpt_dir, storage_options=storage_options).write_small(MARKER, data, time.monotonic() + timeout)
 
 
 def read_marker(ckpt_dir: str, storage_options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The trainer's marker under ``ckpt_dir`` (None: none written yet)."""
     try:
-        if is_remote(ckpt_dir):
-            raw = read_small(f"{ckpt_dir.rstrip('/')}/{MARKER}", _MARKER_LIMIT, storage_options)
-        else:
-            with open(os.path.join(ckpt_dir, MARKER), "rb") as f:
-                raw = f.read(_MARKER_LIMIT + 1)
-    except (FileNotFoundError, CheckpointNotFoundError):
+        raw = open_root(ckpt_dir, storage_options=storage_options).read_small(MARKER, _MARKER_LIMIT)
+    except CheckpointCorruptError:
+        raise CheckpointError(f"{ckpt_dir}/{MARKER}: more than {_MARKER_LIMIT} bytes; not a trainer marker") from None
+    if raw is None:
         return None
-    if len(raw) > _MARKER_LIMIT:
-        raise CheckpointError(f"{ckpt_dir}/{MARKER}: more than {_MARKER_LIMIT} bytes; not a trainer marker")
     record: Dict[str, Any] = json.loads(raw)
     return record
 
