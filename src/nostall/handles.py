@@ -17,16 +17,16 @@ __all__ = ["SaveStats", "SaveHandle"]
 
 def _describe(fn: Callable[..., Any]) -> str:
     """A callback's name for a log record: its qualified name (``on_commit=...`` for a manager's)."""
-    if isinstance(fn, _OnCommit):
+    if isinstance(fn, OnCommit):
         return f"on_commit={_describe(fn.fn)}"
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     module = getattr(fn, "__module__", None)
     return f"{module}.{name}" if module and module != "builtins" else str(name)
 
 
-class _OnCommit:
+class OnCommit:
     """A manager's ``on_commit`` as a done callback: called for a committed save only, and named as
-    itself when a wait for it runs out."""
+    itself when a wait for it runs out. (For the manager; not part of the user API.)"""
 
     def __init__(self, fn: Callable[["SaveHandle"], Any]) -> None:
         self.fn = fn
@@ -104,7 +104,7 @@ class SaveHandle:
         handle = mgr.save(step, model=model, optimizer=optimizer)   # async_save=True
         print(f"blocked {handle.stats.stall_s * 1e3:.0f} ms")      # known at once
         handle.add_done_callback(lambda h: print("committed", h.path) if h.exception() is None else None)
-        handle.result()                                              # waits for the commit (bounded)
+        handle.result()                                              # waits for the commit, then retention (bounded)
     """
 
     def __init__(
@@ -279,7 +279,14 @@ class SaveHandle:
 
     def result(self, timeout: Optional[float] = None) -> SaveStats:
         """Wait (bounded by ``timeout``, default: the manager's) for the commit and
-        return the stats, or raise the save's error."""
+        return the stats, or raise the save's error.
+
+        For an asynchronous save it then also waits, up to ``timeout`` again,
+        for what the writer does after the commit: on rank 0, retention
+        (deleting the checkpoints ``keep_last`` drops) and the sweep of
+        leftovers, so that once it returns the root holds what ``keep_last``
+        says. Retention still running after that is logged, not raised: the
+        checkpoint is committed."""
         self._settle(timeout)
         if self._error is not None:
             if self._reported is not None:

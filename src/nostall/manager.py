@@ -16,7 +16,7 @@ from nostall.planning.comm import Comm, make_comm
 from nostall.core.faults import Faults
 from nostall.saving.background import BackgroundWriter
 from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
-from nostall.handles import SaveHandle, SaveStats, _OnCommit
+from nostall.handles import OnCommit, SaveHandle, SaveStats
 from nostall.core.jobs import Destination
 from nostall.loading.reader import load_state
 from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
@@ -469,7 +469,7 @@ class CheckpointManager:
         """Register ``on_commit`` on a new handle (``run`` False: the caller holds the lock and runs
         the callbacks due once it released it)."""
         if self._on_commit is not None:
-            handle._add_callback(_OnCommit(self._on_commit), run)
+            handle._add_callback(OnCommit(self._on_commit), run)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.

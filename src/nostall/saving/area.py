@@ -30,7 +30,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from nostall.planning.plan import FilePlan, WriteItem
-from nostall.saving.writer import FileJob, Segment
+from nostall.core.jobs import FileJob, Segment
 
 log = logging.getLogger("nostall")
 

@@ -217,7 +217,7 @@ def _decide(job: SaveJob, dones: Dict[int, Done]) -> Outcome:
     try:
         job.dest.root.abort(job.dest)
     except Exception as e:
-        log.warning("could not remove the staging of step %s: %s", job.step, e)
+        log.warning("could not remove the staging directory of step %s: %s", job.step, e)
     return Outcome(False, f"save of step {job.step} failed: " + "; ".join(failures))
 
 

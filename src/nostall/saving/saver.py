@@ -5,21 +5,22 @@ phases are collective and the same for synchronous and asynchronous saves:
 
 1. flatten the state and exchange outcomes (every rank raises the same error,
    naming the failing rank, before anything is written); rank 0 draws the
-   save's id and makes its staging on the root;
+   save's id and makes its staging directory on the root;
 2. plan (cached while every rank's structure is unchanged).
 
 Then both run the same save job (:func:`nostall.saving.commit.run_job`): a
 synchronous save inline, its bytes read straight from the tensors and the
 ranks meeting through collectives (:class:`CollectiveBarrier`); an
-asynchronous one in the rank's writer process, after :class:`Staging` copied
-the file images into the staging area, the ranks meeting through records on
-the root (docs/protocol.md).
+asynchronous one in the rank's writer process, after :class:`HostCopy` copied
+the file images into the staging area (the rank's shared host memory,
+:mod:`nostall.saving.area`), the ranks meeting through records on the root
+(docs/protocol.md).
 
-:class:`Staging` holds the three ways of copying (docs/overlap.md), each a
-method: :meth:`~Staging.whole` (all of it before ``save()`` returns, or in a
-thread while training goes on: *overlapped*), :meth:`~Staging.chunked` (a
+:class:`HostCopy` holds the three ways of copying (docs/overlap.md), each a
+method: :meth:`~HostCopy.whole` (all of it before ``save()`` returns, or in a
+thread while training goes on: *overlapped*), :meth:`~HostCopy.chunked` (a
 state larger than the host-memory budget goes through the area in chunks
-that the writer writes as they come), and :meth:`~Staging.fail`, the
+that the writer writes as they come), and :meth:`~HostCopy.fail`, the
 failure path shared by all three.
 """
 
@@ -152,7 +153,7 @@ class PendingSave:
     stall_s: float = 0.0
     stage_s: float = 0.0
     failed: Optional[JobResult] = None  # set when staging failed: nothing was submitted
-    staging: Optional[threading.Thread] = None  # overlap: the thread still copying
+    staging: Optional[threading.Thread] = None  # overlap: the thread still copying (HostCopy's)
     staged_wait_s: float = 0.0  # overlap: how long the caller waited for the copy
     chunks: int = 0  # budget: chunks the state went through the area in (0: all at once)
     staging_bytes: int = 0  # size of the staging area used
@@ -172,7 +173,7 @@ class PendingSave:
         self.staging = None
 
 
-class Staging:
+class HostCopy:
     """The copy of one asynchronous save into the staging area, and its hand-over to the writer.
 
     One of :meth:`whole` or :meth:`chunked` runs (in a thread when
@@ -333,7 +334,7 @@ class Saver:
             raise
         if agreed is not None:
             # raised alike on every rank (from the exchanged outcomes): the others raise only
-            # once rank 0 has removed this save's staging
+            # once rank 0 has removed this save's staging directory
             if made:
                 assert dest is not None
                 dest.root.abort(dest)
@@ -505,18 +506,18 @@ class Saver:
         self._last_records = job.dest
         pending = PendingSave(p, job, t_start=t_start)
         budget = self.options.staging_budget_bytes
-        staging = Staging(pending, writer, files, budget, self.faults)
+        copy = HostCopy(pending, writer, files, budget, self.faults)
         chunked = budget is not None and layout(files)[1] > budget
         if chunked and stage_now is not None:
             overlap = False  # the selected keys cannot be copied ahead of the chunks: copy all of it now
         work: Optional[Callable[[], None]]
         if chunked:
-            work = staging.chunked
+            work = copy.chunked
         else:
             now: Optional[Callable[[WriteItem], bool]] = None  # everything before returning
             if overlap:
                 now = (lambda item: stage_now(item.key)) if stage_now is not None else (lambda item: False)
-            work = staging.whole(now)
+            work = copy.whole(now)
         pending.overlap = overlap and work is not None
         if work is not None:
             if pending.overlap:
@@ -526,7 +527,7 @@ class Saver:
                 work()
         pending.stall_s = time.perf_counter() - p.t0
         if not pending.overlap:
-            pending.stage_s = time.perf_counter() - staging.t0
+            pending.stage_s = time.perf_counter() - copy.t0
         return pending
 
     def staged_stats(self, pending: PendingSave) -> SaveStats:

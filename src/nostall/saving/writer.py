@@ -71,7 +71,7 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
                     while pos < f.size:
                         seg = next(source, None)
                         if seg is None or seg.file != fi or seg.start != pos:
-                            raise RuntimeError(f"{f.name}: staging sent {seg} where byte {pos} of file {fi} was due")
+                            raise RuntimeError(f"{f.name}: the trainer sent {seg} where byte {pos} of file {fi} is due")
                         out.add(seg.start, area[seg.area_offset : seg.area_offset + seg.end - seg.start])
                         pos = seg.end
                     outs.append((f, out.close(), out.ids))
