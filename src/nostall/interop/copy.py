@@ -46,7 +46,6 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from nostall.storage.locate import local_path, resolve, split_checkpoint
 from nostall.storage.root import Root
-from nostall.storage import remote
 from nostall.saving.datafiles import Writer
 from nostall.saving.solo import save_solo, solo_destination
 from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
@@ -219,12 +218,7 @@ def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
                 raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite "
                                           "(overwrite=True) to replace it, or choose another destination")
             return True
-        fs, key = remote.filesystem(dst, storage_options)
-        try:
-            found = remote.retry(f"list {dst}", lambda: fs.ls(key.rstrip("/"), detail=False, refresh=True))
-        except FileNotFoundError:
-            found = []
-        if found:
+        if root.entries(name):
             raise CheckpointSaveError(f"{dst} holds objects and is not a nostall checkpoint (no nostall "
                                       f"manifest.json there); refusing to write into it: {fix}")
         return False

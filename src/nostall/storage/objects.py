@@ -269,6 +269,9 @@ class ObjectRoot(Root):
     def is_file(self, name: str) -> bool:
         return bool(self._fs()[0].isfile(self._key(name)))
 
+    def entries(self, name: str) -> List[str]:
+        return self._ls(name)
+
     def check_present(self) -> None:
         fs, key = self._fs()
         key = key.rstrip("/")

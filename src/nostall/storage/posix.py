@@ -294,6 +294,12 @@ class PosixRoot(Root):
     def is_file(self, name: str) -> bool:
         return os.path.isfile(self.path(name))
 
+    def entries(self, name: str) -> List[str]:
+        try:
+            return os.listdir(self.path(name))
+        except FileNotFoundError:
+            return []
+
     def check_present(self) -> None:
         if not os.path.isdir(self.url):
             raise CheckpointError(f"{self.url}: no such directory")

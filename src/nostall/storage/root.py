@@ -385,6 +385,11 @@ class Root(abc.ABC):
         """Whether a file (not a directory, not a prefix) named ``name`` is in the root."""
 
     @abc.abstractmethod
+    def entries(self, name: str) -> List[str]:
+        """The names directly in ``name`` (a directory's entries; on object storage, what is under the
+        prefix ``name/``); empty when nothing is there."""
+
+    @abc.abstractmethod
     def check_present(self) -> None:
         """Raise :class:`~nostall.CheckpointError` naming what is missing when nothing is at the root's
         location (no directory; on object storage, no bucket or no object under the prefix)."""
