@@ -27,14 +27,17 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from nostall import __version__
 from nostall.storage.locate import local_path, open_root, resolve, split_checkpoint
 from nostall.storage.root import LATEST, Root, step_name
 from nostall.errors import CheckpointError
 from nostall.core.format import Manifest
-from nostall.loading.reader import check_checkpoint, read_manifest, referenced_file_problems
+from nostall.tools.argtypes import storage_options_arg
+
+# torch is imported by the commands that need it (nostall.loading.reader, the interop modules, the
+# bench), not here: `nostall --version` and `nostall -h` stay quick
 
 
 def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optional[str]:
@@ -150,22 +153,13 @@ def _print_summary(s: Dict[str, Any]) -> None:
             print(f"  {f['name']:<{w}}  {_human(f['size']):>10}")
 
 
-def storage_options_arg(text: str) -> Dict[str, Any]:
-    """``--storage-options``: a JSON object; anything else is a usage error (exit 2) naming the option."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
-    return value
-
-
 def _options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
     return args.storage_options or None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from nostall.loading.reader import read_manifest, referenced_file_problems
+
     so = _options(args)
     path = _resolve(args.path, so)
     m = read_manifest(path, so)
@@ -187,6 +181,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from nostall.loading.reader import check_checkpoint, read_manifest
+
     so = _options(args)
     path = _resolve(args.path, so)
     referenced = sorted(read_manifest(path, so).references)  # (check_checkpoint reads them, and raises the same)
@@ -214,6 +210,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _entry(root: Root, name: str, step: Optional[int], so: Optional[Dict[str, Any]],
            latest: Optional[int]) -> Dict[str, Any]:
+    from nostall.loading.reader import read_manifest, referenced_file_problems
+
     path = root.path(name)
     e: Dict[str, Any] = {"step": step, "path": path, "latest": step is not None and step == latest}
     try:
@@ -321,6 +319,58 @@ def _keys(given: Optional[List[str]]) -> Optional[List[str]]:
     return keys or None
 
 
+def _with_progress(show: bool, label: str, fn: Callable[[Optional[_ProgressLine]], Any]) -> Any:
+    """``fn(bar)``, with a progress line on stderr when ``show`` (else ``bar`` is None), closed however it ends."""
+    bar = _ProgressLine(label) if show else None
+    try:
+        return fn(bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _temp_beside(dst: str, made: Any) -> str:
+    """DCP -> nostall -> export: a temporary directory next to the destination (its missing parents are
+    made, and recorded in ``made``) for the intermediate checkpoint."""
+    parent = os.path.dirname(os.path.abspath(dst))
+    made.makedirs(parent)
+    return tempfile.mkdtemp(prefix=".nostall-convert-", dir=parent)
+
+
+def _import_dcp(args: argparse.Namespace, out: str, show: bool) -> Dict[str, int]:
+    """``convert --from dcp``: import SRC as a nostall checkpoint at ``out``; what it holds."""
+    from nostall.interop.dcp import import_dcp
+
+    unsupported = "skip" if args.skip_unsupported else "error"
+    m = _with_progress(show, "import", lambda p: import_dcp(args.src, out, unsupported_objects=unsupported,
+                                                             progress=p, block_size=args.block_size))
+    return {"tensors": len(m.tensors), "objects": len(m.objects), "bytes": sum(f.size for f in m.files.values())}
+
+
+def _export(args: argparse.Namespace, src: str, dst_kind: str, so: Optional[Dict[str, Any]], memory_limit: int,
+            show: bool) -> Dict[str, Any]:
+    """``convert --to safetensors|torch``: export the nostall checkpoint ``src`` to DST; the report."""
+    from nostall.interop._common import parse_size
+    from nostall.interop.export import export
+
+    rep = _with_progress(show, "export", lambda p: export(
+        src, args.dst, to=dst_kind, keys=_keys(args.keys), strip_prefix=args.strip_prefix, separator=args.separator,
+        dtype=args.dtype, max_shard_size=parse_size(args.max_shard_size), memory_limit=memory_limit,
+        overwrite=args.overwrite, storage_options=so, progress=p))
+    return rep.to_json()
+
+
+def _print_convert(args: argparse.Namespace, result: Dict[str, Any]) -> None:
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    elif "files" in result:
+        print(f"wrote {len(result['files'])} file(s), {result['tensors']} tensor(s), {_human(result['bytes'])} "
+              f"to {args.dst}")
+    else:
+        print(f"imported {result['tensors']} tensor(s) and {result['objects']} value(s) into {args.dst}")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from nostall.interop._common import parse_size
 
@@ -334,68 +384,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     memory_limit = parse_size(args.memory_limit)
     result: Dict[str, Any] = {"src": args.src, "dst": args.dst, "from": src_kind, "to": dst_kind}
-
-    def bar(label: str) -> Optional[_ProgressLine]:
-        return _ProgressLine(label) if show else None
-
     tmp: Optional[str] = None
     made: Any = None  # the directories made for the temporary checkpoint: removed again on failure
     done = False
     try:
         src = args.src
         if src_kind == "dcp":
-            from nostall.interop.dcp import import_dcp
-
-            if dst_kind == "nostall":
-                out = args.dst
-            else:  # DCP -> nostall (next to the destination) -> export
+            out = args.dst
+            if dst_kind != "nostall":  # DCP -> nostall (next to the destination) -> export
                 from nostall.interop.export import CreatedFiles
 
-                parent = os.path.dirname(os.path.abspath(args.dst))
                 made = CreatedFiles()
-                made.makedirs(parent)
-                tmp = tempfile.mkdtemp(prefix=".nostall-convert-", dir=parent)
+                tmp = _temp_beside(args.dst, made)
                 out = os.path.join(tmp, "ckpt")
-            p = bar("import")
-            try:
-                m = import_dcp(src, out, unsupported_objects="skip" if args.skip_unsupported else "error",
-                               progress=p, block_size=args.block_size)
-            finally:
-                if p is not None:
-                    p.close()
-            result.update(tensors=len(m.tensors), objects=len(m.objects),
-                          bytes=sum(f.size for f in m.files.values()))
+            result.update(_import_dcp(args, out, show))
             src, so = out, None
         else:
             src = _resolve(src, so)
             result["src"] = src
         if dst_kind in ("safetensors", "torch"):
-            from nostall.interop.export import export
-
-            p = bar("export")
-            try:
-                rep = export(src, args.dst, to=dst_kind, keys=_keys(args.keys), strip_prefix=args.strip_prefix,
-                             separator=args.separator, dtype=args.dtype, max_shard_size=parse_size(args.max_shard_size),
-                             memory_limit=memory_limit, overwrite=args.overwrite, storage_options=so, progress=p)
-            finally:
-                if p is not None:
-                    p.close()
-            result.update(rep.to_json())
+            result.update(_export(args, src, dst_kind, so, memory_limit, show))
         done = True
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if made is not None and not done:
             made.undo()
-    if args.json:
-        json.dump(result, sys.stdout, indent=1)
-        print()
-    else:
-        if "files" in result:
-            print(f"wrote {len(result['files'])} file(s), {result['tensors']} tensor(s), {_human(result['bytes'])} "
-                  f"to {args.dst}")
-        else:
-            print(f"imported {result['tensors']} tensor(s) and {result['objects']} value(s) into {args.dst}")
+    _print_convert(args, result)
     return 0
 
 
@@ -409,13 +424,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
     dso = args.dst_storage_options or so
     src = _resolve(args.src, so)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
-    bar = _ProgressLine("copy") if show else None
-    try:
-        rep = copy_checkpoint(src, args.dst, overwrite=args.overwrite, storage_options=so, dst_storage_options=dso,
-                              progress=bar)
-    finally:
-        if bar is not None:
-            bar.close()
+    rep = _with_progress(show, "copy", lambda bar: copy_checkpoint(
+        src, args.dst, overwrite=args.overwrite, storage_options=so, dst_storage_options=dso, progress=bar))
     if args.json:
         json.dump(rep.to_json(), sys.stdout, indent=1)
         print()
@@ -450,7 +460,7 @@ A run root's 'latest' is never moved by a copy.
 
 
 def _bench(rest: List[str]) -> int:
-    from nostall.tools.bench.compare import main as bench_main
+    from nostall.tools.bench import main as bench_main  # its own argument tables; imports torch
 
     return bench_main(rest)
 
@@ -476,6 +486,45 @@ level (huggingface/config.json -> DST/config.json, for from_pretrained(DST)),
 others under their own names. --to torch writes one file and leaves them out.
 DCP's .metadata file is a pickle: import only checkpoints you trust.
 """
+
+
+_SRC_DST = {
+    "copy": {
+        "help": "make a self-contained copy of one checkpoint (an incremental one's references resolved)",
+        "description": "Copy one checkpoint to DST (a directory or URL) so that it needs nothing else: every piece\n"
+                       "it reads, from its own files and from earlier checkpoints' (incremental saves), lands in\n"
+                       "DST's own files. For handing a checkpoint to someone else, or moving it between buckets.",
+        "epilog": _COPY_EPILOG,
+        "dst": "the copy: a new (or empty) directory, or an object-storage URL",
+    },
+    "convert": {
+        "help": "import a DCP checkpoint, or export to safetensors / torch.save",
+        "description": "Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist)\n"
+                       "directory into the nostall format; --to safetensors / --to torch exports consolidated\n"
+                       "full tensors with bounded memory.",
+        "epilog": _CONVERT_EPILOG,
+        "src": "source: nostall checkpoint (or run root: its newest), or a DCP directory",
+        "dst": "destination: directory (nostall, safetensors) or file (torch)",
+    },
+}
+"""The ``nostall COMMAND SRC DST`` commands: their texts (description and epilog shown as written)."""
+
+
+def _src_dst_parser(sub: Any, name: str, src: Optional[str] = None) -> argparse.ArgumentParser:
+    """The parser of ``nostall NAME SRC DST`` (:data:`_SRC_DST`), its two positional arguments added."""
+    t = _SRC_DST[name]
+    raw = argparse.RawDescriptionHelpFormatter
+    p: argparse.ArgumentParser = sub.add_parser(name, help=t["help"], description=t["description"],
+                                                epilog=t["epilog"], formatter_class=raw)
+    p.add_argument("src", help=src or t["src"])
+    p.add_argument("dst", help=t["dst"])
+    return p
+
+
+def _add_progress(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="draw a progress bar on stderr (default: when stderr is a terminal)")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -515,31 +564,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pl.set_defaults(fn=cmd_ls)
-    pk = sub.add_parser(
-        "copy", help="make a self-contained copy of one checkpoint (an incremental one's references resolved)",
-        description="Copy one checkpoint to DST (a directory or URL) so that it needs nothing else: every piece\n"
-                    "it reads, from its own files and from earlier checkpoints' (incremental saves), lands in\n"
-                    "DST's own files. For handing a checkpoint to someone else, or moving it between buckets.",
-        epilog=_COPY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pk.add_argument("src", help=ck_help)
-    pk.add_argument("dst", help="the copy: a new (or empty) directory, or an object-storage URL")
+    pk = _src_dst_parser(sub, "copy", src=ck_help)
     pk.add_argument("--overwrite", action="store_true", help="replace a nostall checkpoint at DST")
     pk.add_argument("--json", action="store_true", help="machine-readable summary")
-    pk.add_argument("--progress", dest="progress", action="store_true", default=None,
-                    help="draw a progress bar on stderr (default: when stderr is a terminal)")
-    pk.add_argument("--no-progress", dest="progress", action="store_false")
+    _add_progress(pk)
     pk.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pk.add_argument("--dst-storage-options", type=storage_options_arg, default=None,
                     help="fsspec options for DST when they differ from SRC's (default: --storage-options)")
     pk.set_defaults(fn=cmd_copy)
-    pc = sub.add_parser(
-        "convert", help="import a DCP checkpoint, or export to safetensors / torch.save",
-        description="Convert checkpoints. --from dcp SRC DST imports a PyTorch DCP (or Megatron torch_dist)\n"
-                    "directory into the nostall format; --to safetensors / --to torch exports consolidated\n"
-                    "full tensors with bounded memory.",
-        epilog=_CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pc.add_argument("src", help="source: nostall checkpoint (or run root: its newest), or a DCP directory")
-    pc.add_argument("dst", help="destination: directory (nostall, safetensors) or file (torch)")
+    pc = _src_dst_parser(sub, "convert")
     pc.add_argument("--from", dest="from_", choices=["nostall", "dcp"], default="nostall",
                     help="source format (default: nostall)")
     pc.add_argument("--to", choices=["nostall", "safetensors", "torch"], default=None,
@@ -558,9 +591,7 @@ def _parser() -> argparse.ArgumentParser:
     pc.add_argument("--skip-unsupported", action="store_true",
                     help="import: leave out DCP values that are not JSON (default: refuse)")
     pc.add_argument("--overwrite", action="store_true", help="write into a non-empty destination")
-    pc.add_argument("--progress", dest="progress", action="store_true", default=None,
-                    help="draw a progress bar on stderr (default: when stderr is a terminal)")
-    pc.add_argument("--no-progress", dest="progress", action="store_false")
+    _add_progress(pc)
     pc.add_argument("--json", action="store_true", help="machine-readable summary")
     pc.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pc.set_defaults(fn=cmd_convert)

@@ -35,18 +35,21 @@ relative to no save. See docs/benchmarks.md for the JSON schema.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from nostall.tools.argtypes import storage_options_arg
+from nostall.tools.bench import MODES, main as bench_main
+from nostall.tools.bench.common import (TrainLoop, child_pids, full_template, gather_ranks, local_tensors, median,
+                                        quiet_dcp_process, reset_peaks, rss_mb, serve_rank, write_outputs,
+                                        zero_template)
 
 SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "dcp_sync", "dcp_async_thread", "dcp_async_process",
            "torch_save")
@@ -56,44 +59,6 @@ ASYNC = ("nostall_async", "nostall_overlap", REMOTE, "dcp_async_thread", "dcp_as
 
 
 # --------------------------------------------------------------------------- helpers (in the ranks)
-
-
-def _rss_mb(pid: int, field: str = "VmHWM") -> float:
-    """Peak (VmHWM, since the last reset) or current (VmRSS) resident memory of a process."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def _children() -> List[int]:
-    """This process's children (writer processes, DCP's executor)."""
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == me:
-                out.append(int(name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def _reset_peaks() -> None:
-    """Restart the peak-RSS counters of this process and its children (Linux clear_refs 5)."""
-    for pid in [os.getpid()] + _children():
-        try:
-            with open(f"/proc/{pid}/clear_refs", "w") as f:
-                f.write("5")
-        except OSError:
-            pass
 
 
 def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
@@ -128,129 +93,10 @@ def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
     return {"model": model, "optim": optim, "step": 0}, nbytes
 
 
-def _locals(state: Dict[str, Any]) -> List[Any]:
-    out = []
-
-    def rec(v: Any) -> None:
-        if isinstance(v, dict):
-            for x in v.values():
-                rec(x)
-        elif hasattr(v, "to_local"):
-            out.append(v.to_local())
-        elif hasattr(v, "numel"):
-            out.append(v)
-
-    rec(state)
-    return out
-
-
-def _full_template(state: Dict[str, Any]) -> Dict[str, Any]:
-    """The same keys as plain full tensors: a resharded load (every rank reads everything)."""
-    import torch
-
-    def rec(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: rec(x) for k, x in v.items()}
-        if hasattr(v, "to_local"):
-            return torch.zeros(v.shape, dtype=v.dtype)
-        if hasattr(v, "numel"):
-            return torch.zeros_like(v)
-        return v
-
-    return rec(state)
-
-
-def _zero_template(state: Dict[str, Any]) -> Dict[str, Any]:
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    def rec(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: rec(x) for k, x in v.items()}
-        if isinstance(v, DTensor):
-            return DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements,
-                                      shape=v.shape, stride=v.stride())
-        if hasattr(v, "numel"):
-            return torch.zeros_like(v)
-        return v
-
-    return rec(state)
-
-
-class _TrainLoop:
-    """A small CPU model whose step time shows interference from a background save."""
-
-    def __init__(self) -> None:
-        import torch
-
-        torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.x = torch.randn(64, 512)
-
-    def step(self) -> float:
-        t0 = time.perf_counter()
-        self.forward_backward()
-        self.opt.step()
-        return time.perf_counter() - t0
-
-    def forward_backward(self) -> float:
-        t0 = time.perf_counter()
-        loss = self.model(self.x).pow(2).mean()
-        self.opt.zero_grad()
-        loss.backward()
-        return time.perf_counter() - t0
-
-    def compute(self, seconds: float) -> List[float]:
-        """Forward/backward passes for about ``seconds`` (one at least); the time of each."""
-        times = [self.forward_backward()]
-        while sum(times) < seconds:
-            times.append(self.forward_backward())
-        return times
-
-
 def _say(cfg: Dict[str, Any], rank: int, text: str) -> None:
     """A progress line on stderr (rank 0 only, when the launcher asked for them)."""
     if rank == 0 and cfg.get("progress"):
         print(f"[bench] {text}", file=sys.stderr, flush=True)
-
-
-def _dcp_subprocess_quietly(*args: Any, **kwargs: Any) -> Any:
-    """DCP's process executor's background process (see :func:`_quiet_dcp_process`), with its
-    root logger at WARNING once DCP has set it up."""
-    import logging
-
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    setup = ape._init_logger
-
-    def quiet(rank: int) -> None:
-        setup(rank)
-        logging.getLogger().setLevel(logging.WARNING)
-
-    ape._init_logger = quiet  # type: ignore[assignment]
-    return ape._AsyncCheckpointProcess._checkpointing_subprocess(*args, **kwargs)
-
-
-def _quiet_dcp_process() -> None:
-    """Keep DCP's INFO lines off the bench's stderr.
-
-    ``dcp.async_save`` with the process executor spawns a background process
-    that sets the *root* logger to INFO with its own stderr handler and logs
-    every request (about two dozen lines per run). That process runs torch's
-    ``_AsyncCheckpointProcess._checkpointing_subprocess``; it is given
-    :func:`_dcp_subprocess_quietly` instead, which runs the same code with the
-    level raised to WARNING (warnings and errors still show). Private torch
-    API: when it is not there, nothing is changed.
-    """
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
-    except ImportError:
-        return
-    cls = getattr(ape, "_AsyncCheckpointProcess", None)
-    if cls is None or not hasattr(cls, "_checkpointing_subprocess") or not hasattr(ape, "_init_logger"):
-        return
-    cls._checkpointing_subprocess = staticmethod(_dcp_subprocess_quietly)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -266,253 +112,292 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
 
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.logging_handlers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    _quiet_dcp_process()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        q.put((rank, _run_rank(rank, world, root, cfg, torch, dist, dcp, nostall)))
-    except BaseException as e:  # report, so the launcher does not wait forever
-        import traceback
-
-        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
-    finally:
-        dist.destroy_process_group()
+    quiet_dcp_process()
+    serve_rank(rank, world, init, q, lambda: _Rank(rank, world, root, cfg, torch, dist, dcp, nostall).main())
 
 
-def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any, dist: Any, dcp: Any,
-              nostall: Any) -> Dict[str, Any]:
-    systems: List[str] = cfg["systems"]
-    reps: int = cfg["reps"]
-    state, nbytes = _make_state(rank, world, cfg["mb"])
-    tensors = _locals(state)
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    buf.zero_()  # touched once: the copy floor never pays page faults
-    raw = os.path.join(root, "raw")
-    os.makedirs(raw, exist_ok=True)
+class _Rank:
+    """One rank of ``nostall bench``: the state, every system's manager, and the phases it times."""
 
-    res: Dict[str, Dict[str, Any]] = {
-        s: {"stall_s": [], "commit_s": [], "throughput_gbps": [], "rss_mb": [], "helper_rss_mb": [], "first_save": None}
-        for s in list(systems) + list(LIMITS)
-    }
-    # No retention inside the timed region: every system's old checkpoints are
-    # deleted between repetitions, outside the timers (the same work for all).
-    mgr_sync = nostall.CheckpointManager(os.path.join(root, "nostall_sync")) if "nostall_sync" in systems else None
-    mgr_async = (nostall.CheckpointManager(os.path.join(root, "nostall_async"), async_save=True)
-                 if "nostall_async" in systems else None)
-    if mgr_async is not None:  # set-up, as docs/integration.md advises: plan, start the writer, map the area
-        mgr_async.prepare(state)
-    loop = _TrainLoop()
-    mgr_overlap = None
-    if "nostall_overlap" in systems:
-        mgr_overlap = nostall.CheckpointManager(os.path.join(root, "nostall_overlap"), async_save=True, overlap=True)
-        mgr_overlap.attach(loop.opt)  # its step() waits for the copy, as a trainer's would
-        mgr_overlap.prepare(state)
-        res["nostall_overlap"]["compute_ms"] = []  # [forward/backward meanwhile, just before], per save
-    mgr_remote = None
-    if REMOTE in systems:
-        url = f"{cfg['remote'].rstrip('/')}/{cfg['run_id']}"
-        mgr_remote = nostall.CheckpointManager(url, async_save=True, keep_last=1,
-                                               storage_options=cfg["storage_options"],
-                                               local_staging_dir=os.path.join(root, "remote-staging"))
-    compute_s = cfg.get("compute_ms", 200) / 1e3
-    dcp_proc_stager = None
-    if "dcp_async_process" in systems:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def __init__(self, rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any, dist: Any, dcp: Any,
+                 nostall: Any) -> None:
+        self.rank, self.world, self.root, self.cfg = rank, world, root, cfg
+        self.torch, self.dist, self.dcp, self.nostall = torch, dist, dcp, nostall
+        self.systems: List[str] = cfg["systems"]
+        self.reps: int = cfg["reps"]
+        self.state, self.nbytes = _make_state(rank, world, cfg["mb"])
+        self.tensors = local_tensors(self.state)
+        self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
+        self.buf.zero_()  # touched once: the copy floor never pays page faults
+        self.raw = os.path.join(root, "raw")
+        os.makedirs(self.raw, exist_ok=True)
+        self.res: Dict[str, Dict[str, Any]] = {
+            s: {"stall_s": [], "commit_s": [], "throughput_gbps": [], "rss_mb": [], "helper_rss_mb": [],
+                "first_save": None}
+            for s in list(self.systems) + list(LIMITS)
+        }
+        self.loop = TrainLoop()
+        self.compute_s = cfg.get("compute_ms", 200) / 1e3
+        self._managers()
+        self.dcp_proc_stager = None
+        if "dcp_async_process" in self.systems:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        # DCP's recommended CPU set-up: a reusable shared-memory staging copy, process executor
-        dcp_proc_stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                       use_shared_memory=True, use_async_staging=False,
-                                                       use_non_blocking_copy=torch.cuda.is_available()))
+            # DCP's recommended CPU set-up: a reusable shared-memory staging copy, process executor
+            cuda = torch.cuda.is_available()
+            self.dcp_proc_stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                                use_async_staging=False, use_non_blocking_copy=cuda))
 
-    def copy_floor() -> Tuple[float, float]:
+    def _managers(self) -> None:
+        # No retention inside the timed region: every system's old checkpoints are
+        # deleted between repetitions, outside the timers (the same work for all).
+        nostall, root, systems, state = self.nostall, self.root, self.systems, self.state
+        self.mgr_sync = (nostall.CheckpointManager(os.path.join(root, "nostall_sync"))
+                         if "nostall_sync" in systems else None)
+        self.mgr_async = (nostall.CheckpointManager(os.path.join(root, "nostall_async"), async_save=True)
+                          if "nostall_async" in systems else None)
+        if self.mgr_async is not None:  # set-up, as docs/integration.md advises: plan, start the writer, map the area
+            self.mgr_async.prepare(state)
+        self.mgr_overlap = None
+        if "nostall_overlap" in systems:
+            self.mgr_overlap = nostall.CheckpointManager(os.path.join(root, "nostall_overlap"), async_save=True,
+                                                         overlap=True)
+            self.mgr_overlap.attach(self.loop.opt)  # its step() waits for the copy, as a trainer's would
+            self.mgr_overlap.prepare(state)
+            self.res["nostall_overlap"]["compute_ms"] = []  # [forward/backward meanwhile, just before], per save
+        self.mgr_remote = None
+        if REMOTE in systems:
+            url = f"{self.cfg['remote'].rstrip('/')}/{self.cfg['run_id']}"
+            self.mgr_remote = nostall.CheckpointManager(url, async_save=True, keep_last=1,
+                                                        storage_options=self.cfg["storage_options"],
+                                                        local_staging_dir=os.path.join(root, "remote-staging"))
+
+    def _async_mgr(self, system: str) -> Any:
+        mgrs = {"nostall_async": self.mgr_async, "nostall_overlap": self.mgr_overlap, REMOTE: self.mgr_remote}
+        return mgrs.get(system)
+
+    def say(self, text: str) -> None:
+        _say(self.cfg, self.rank, text)
+
+    # ---- one save of each system: (stall, until durable) in seconds
+
+    def _timed(self, fn: Callable[[], Any]) -> Tuple[float, float]:
         t0 = time.perf_counter()
-        pos = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
-            pos += n
-        d = time.perf_counter() - t0
-        return d, d
+        fn()
+        x = time.perf_counter() - t0
+        return x, x
 
-    def write_floor() -> Tuple[float, float]:
-        t0 = time.perf_counter()
-        path = os.path.join(raw, f"rank{rank}.bin")
+    def _copy_floor(self, rep: int) -> Tuple[float, float]:
+        def copy() -> None:
+            pos = 0
+            for t in self.tensors:
+                n = t.numel() * t.element_size()
+                self.buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
+                pos += n
+
+        return self._timed(copy)
+
+    def _write_floor(self, rep: int) -> Tuple[float, float]:
         from nostall.storage import files as storage
 
-        storage.write_file(path, [memoryview(buf.numpy())])
-        d = time.perf_counter() - t0
-        return d, d
+        path = os.path.join(self.raw, f"rank{self.rank}.bin")
+        return self._timed(lambda: storage.write_file(path, [memoryview(self.buf.numpy())]))
 
-    def run(system: str, rep: int) -> Tuple[float, float]:
-        d = os.path.join(root, system, f"r{rep}")
-        if system == "nostall_sync":
-            assert mgr_sync is not None
-            t0 = time.perf_counter()
-            mgr_sync.save(rep, state)
-            x = time.perf_counter() - t0
-            return x, x
-        if system in ("nostall_async", REMOTE):
-            mgr = mgr_async if system == "nostall_async" else mgr_remote
-            assert mgr is not None
-            mgr.finalize_pending_saves()
-            dist.barrier()
-            t0 = time.perf_counter()
-            h = mgr.save(rep, state)
-            stall = time.perf_counter() - t0
-            h.result()
-            return stall, time.perf_counter() - t0
-        if system == "nostall_overlap":
-            assert mgr_overlap is not None
-            mgr_overlap.finalize_pending_saves()
-            dist.barrier()
-            t0 = time.perf_counter()
-            h = mgr_overlap.save(rep, state)
-            returned = time.perf_counter() - t0
-            fb = loop.compute(compute_s)  # the next forward/backward, while the copy runs
-            loop.opt.step()  # waits for what is left of the copy
-            st = h.result()
-            done_s = time.perf_counter() - t0
-            if rep:  # the first save is reported apart; the baseline: once the save is done, outside the timers
-                base = statistics.median(loop.compute(compute_s))
-                res[system]["compute_ms"].append([statistics.median(fb) * 1e3, base * 1e3])
-            return returned + st.staged_wait_s, done_s
-        if system == "dcp_sync":
-            t0 = time.perf_counter()
-            dcp.save(state, checkpoint_id=d)
-            x = time.perf_counter() - t0
-            return x, x
-        if system == "dcp_async_thread":
-            t0 = time.perf_counter()
-            f = dcp.async_save(state, checkpoint_id=d)
-            stall = time.perf_counter() - t0
-            f.result()
-            return stall, time.perf_counter() - t0
-        if system == "dcp_async_process":
-            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+    def _nostall_sync(self, rep: int) -> Tuple[float, float]:
+        assert self.mgr_sync is not None
+        mgr = self.mgr_sync
+        return self._timed(lambda: mgr.save(rep, self.state))
 
-            t0 = time.perf_counter()
-            r = dcp.async_save(state, checkpoint_id=d, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                               async_stager=dcp_proc_stager)
-            staged = getattr(r, "staging_completion", None)
-            if staged is not None:
-                staged.result()  # the state may be modified only once staged
-            stall = time.perf_counter() - t0
-            (getattr(r, "upload_completion", None) or r).result()
-            return stall, time.perf_counter() - t0
-        if system == "torch_save":
-            path = os.path.join(root, system, f"rank{rank}-r{rep}.pt")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            local = {f"t{i}": t for i, t in enumerate(tensors)}
-            t0 = time.perf_counter()
+    def _nostall_async(self, rep: int, system: str) -> Tuple[float, float]:
+        mgr = self._async_mgr(system)
+        assert mgr is not None
+        mgr.finalize_pending_saves()
+        self.dist.barrier()
+        t0 = time.perf_counter()
+        h = mgr.save(rep, self.state)
+        stall = time.perf_counter() - t0
+        h.result()
+        return stall, time.perf_counter() - t0
+
+    def _nostall_overlap(self, rep: int) -> Tuple[float, float]:
+        mgr, loop = self.mgr_overlap, self.loop
+        assert mgr is not None
+        mgr.finalize_pending_saves()
+        self.dist.barrier()
+        t0 = time.perf_counter()
+        h = mgr.save(rep, self.state)
+        returned = time.perf_counter() - t0
+        fb = loop.compute(self.compute_s)  # the next forward/backward, while the copy runs
+        loop.opt.step()  # waits for what is left of the copy
+        st = h.result()
+        done_s = time.perf_counter() - t0
+        if rep:  # the first save is reported apart; the baseline: once the save is done, outside the timers
+            base = statistics.median(loop.compute(self.compute_s))
+            self.res["nostall_overlap"]["compute_ms"].append([statistics.median(fb) * 1e3, base * 1e3])
+        return returned + st.staged_wait_s, done_s
+
+    def _dcp_sync(self, rep: int) -> Tuple[float, float]:
+        d = os.path.join(self.root, "dcp_sync", f"r{rep}")
+        return self._timed(lambda: self.dcp.save(self.state, checkpoint_id=d))
+
+    def _dcp_async_thread(self, rep: int) -> Tuple[float, float]:
+        t0 = time.perf_counter()
+        f = self.dcp.async_save(self.state, checkpoint_id=os.path.join(self.root, "dcp_async_thread", f"r{rep}"))
+        stall = time.perf_counter() - t0
+        f.result()
+        return stall, time.perf_counter() - t0
+
+    def _dcp_process_save(self, d: str) -> Any:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        return self.dcp.async_save(self.state, checkpoint_id=d, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                   async_stager=self.dcp_proc_stager)
+
+    def _dcp_async_process(self, rep: int) -> Tuple[float, float]:
+        t0 = time.perf_counter()
+        r = self._dcp_process_save(os.path.join(self.root, "dcp_async_process", f"r{rep}"))
+        staged = getattr(r, "staging_completion", None)
+        if staged is not None:
+            staged.result()  # the state may be modified only once staged
+        stall = time.perf_counter() - t0
+        (getattr(r, "upload_completion", None) or r).result()
+        return stall, time.perf_counter() - t0
+
+    def _torch_save(self, rep: int) -> Tuple[float, float]:
+        path = os.path.join(self.root, "torch_save", f"rank{self.rank}-r{rep}.pt")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        local = {f"t{i}": t for i, t in enumerate(self.tensors)}
+
+        def save() -> None:
             with open(path, "wb") as f:
-                torch.save(local, f)
+                self.torch.save(local, f)
                 f.flush()
                 os.fsync(f.fileno())
-            x = time.perf_counter() - t0
-            return x, x
-        if system == "copy":
-            return copy_floor()
-        if system == "write":
-            return write_floor()
-        raise ValueError(system)
 
-    def helper_rss(system: str) -> float:
-        mgr = {"nostall_async": mgr_async, "nostall_overlap": mgr_overlap, REMOTE: mgr_remote}.get(system)
+        return self._timed(save)
+
+    def run(self, system: str, rep: int) -> Tuple[float, float]:
+        if system in ("nostall_async", REMOTE):
+            return self._nostall_async(rep, system)
+        runs: Dict[str, Callable[[int], Tuple[float, float]]] = {
+            "nostall_sync": self._nostall_sync, "nostall_overlap": self._nostall_overlap, "dcp_sync": self._dcp_sync,
+            "dcp_async_thread": self._dcp_async_thread, "dcp_async_process": self._dcp_async_process,
+            "torch_save": self._torch_save, "copy": self._copy_floor, "write": self._write_floor,
+        }
+        if system not in runs:
+            raise ValueError(system)
+        return runs[system](rep)
+
+    def helper_rss(self, system: str) -> float:
+        mgr = self._async_mgr(system)
         if mgr is not None and mgr.writer_pid:
-            return _rss_mb(mgr.writer_pid)
-        return sum(_rss_mb(p) for p in _children()) if system == "dcp_async_process" else 0.0
+            return rss_mb(mgr.writer_pid)
+        return sum(rss_mb(p) for p in child_pids()) if system == "dcp_async_process" else 0.0
 
-    order = list(LIMITS) + list(systems)
-    for rep in range(reps + 1):
-        for system in order:
-            _reset_peaks()
-            dist.barrier()
-            stall, commit = run(system, rep)
-            dist.barrier()
-            what = "first run (reported apart)" if rep == 0 else f"rep {rep}/{reps}"
-            _say(cfg, rank, f"{system} {what}: stall {stall * 1e3:.1f} ms, until durable {commit * 1e3:.1f} ms")
-            r = res[system]
-            if rep == 0:
-                r["first_save"] = {"stall_s": stall, "commit_s": commit}
-                continue
-            r["stall_s"].append(stall)
-            r["commit_s"].append(commit)
-            r["throughput_gbps"].append(nbytes / commit / 1e9 if commit > 0 else 0.0)
-            r["rss_mb"].append(_rss_mb(os.getpid()))
-            r["helper_rss_mb"].append(helper_rss(system))
-            if rank == 0:  # drop the previous repetition's checkpoint, outside the timers
-                for old in (os.path.join(root, system, f"r{rep - 1}"), os.path.join(root, system, f"step_{rep - 1}")):
-                    shutil.rmtree(old, ignore_errors=True)
-            if system == "torch_save":
-                old = os.path.join(root, system, f"rank{rank}-r{rep - 1}.pt")
-                if os.path.exists(old):
-                    os.unlink(old)
+    # ---- the phases
 
-    # ---- loads: same layout, and resharded to full tensors on every rank
-    loads: Dict[str, Dict[str, List[float]]] = {}
-    if cfg["loads"]:
-        last = reps
+    def saves(self) -> None:
+        """Every system, ``reps`` timed repetitions after a first save reported apart, interleaved."""
+        order = list(LIMITS) + list(self.systems)
+        for rep in range(self.reps + 1):
+            for system in order:
+                reset_peaks()
+                self.dist.barrier()
+                stall, commit = self.run(system, rep)
+                self.dist.barrier()
+                what = "first run (reported apart)" if rep == 0 else f"rep {rep}/{self.reps}"
+                self.say(f"{system} {what}: stall {stall * 1e3:.1f} ms, until durable {commit * 1e3:.1f} ms")
+                if rep == 0:
+                    self.res[system]["first_save"] = {"stall_s": stall, "commit_s": commit}
+                    continue
+                self._record(system, stall, commit)
+                self._drop_previous(system, rep)
+
+    def _record(self, system: str, stall: float, commit: float) -> None:
+        r = self.res[system]
+        r["stall_s"].append(stall)
+        r["commit_s"].append(commit)
+        r["throughput_gbps"].append(self.nbytes / commit / 1e9 if commit > 0 else 0.0)
+        r["rss_mb"].append(rss_mb(os.getpid()))
+        r["helper_rss_mb"].append(self.helper_rss(system))
+
+    def _drop_previous(self, system: str, rep: int) -> None:
+        """The previous repetition's checkpoint, deleted outside the timers."""
+        if self.rank == 0:
+            for old in (os.path.join(self.root, system, f"r{rep - 1}"),
+                        os.path.join(self.root, system, f"step_{rep - 1}")):
+                shutil.rmtree(old, ignore_errors=True)
+        if system == "torch_save":
+            old = os.path.join(self.root, system, f"rank{self.rank}-r{rep - 1}.pt")
+            if os.path.exists(old):
+                os.unlink(old)
+
+    def loads(self) -> Dict[str, Dict[str, List[float]]]:
+        """Loads: same layout, and resharded to full tensors on every rank; the raw read floor."""
+        loads: Dict[str, Dict[str, List[float]]] = {}
+        n = max(1, self.reps)
+        last = self.reps
         targets = {
-            "nostall": lambda tmpl: mgr_sync.load(tmpl) if mgr_sync else None,
-            "dcp": lambda tmpl: dcp.load(tmpl, checkpoint_id=os.path.join(root, "dcp_sync", f"r{last}")),
+            "nostall": lambda tmpl: self.mgr_sync.load(tmpl) if self.mgr_sync else None,
+            "dcp": lambda tmpl: self.dcp.load(tmpl, checkpoint_id=os.path.join(self.root, "dcp_sync", f"r{last}")),
         }
         for name, fn in targets.items():
-            if (name == "nostall" and mgr_sync is None) or (name == "dcp" and "dcp_sync" not in systems):
+            if (name == "nostall" and self.mgr_sync is None) or (name == "dcp" and "dcp_sync" not in self.systems):
                 continue
-            _say(cfg, rank, f"loading from {name} ({max(1, reps)} x same layout, resharded)")
+            self.say(f"loading from {name} ({n} x same layout, resharded)")
             loads[name] = {"same_layout_s": [], "resharded_s": []}
-            for _ in range(max(1, reps)):
-                for kind, make in (("same_layout_s", _zero_template), ("resharded_s", _full_template)):
-                    tmpl = make(state)
-                    dist.barrier()
+            for _ in range(n):
+                for kind, make in (("same_layout_s", zero_template), ("resharded_s", full_template)):
+                    tmpl = make(self.state)
+                    self.dist.barrier()
                     t0 = time.perf_counter()
                     fn(tmpl)
                     loads[name][kind].append(time.perf_counter() - t0)
         # raw read of the write floor's file
         loads["read_floor"] = {"same_layout_s": [], "resharded_s": []}
-        for _ in range(max(1, reps)):
+        for _ in range(n):
             t0 = time.perf_counter()
-            with open(os.path.join(raw, f"rank{rank}.bin"), "rb", buffering=0) as f:
-                while f.readinto(memoryview(buf.numpy())[: 64 << 20]):
+            with open(os.path.join(self.raw, f"rank{self.rank}.bin"), "rb", buffering=0) as f:
+                while f.readinto(memoryview(self.buf.numpy())[: 64 << 20]):
                     pass
             loads["read_floor"]["same_layout_s"].append(time.perf_counter() - t0)
+        return loads
 
-    # ---- the replica check (check_replicas): what a first save, or one whose plan changed, pays for it
-    replica_check: Dict[str, Any] = {}
-    if "nostall_sync" in systems:
-        replica_check = _time_replica_check(state, rank, world, max(1, reps), dist)
-        _say(cfg, rank, f"replica check: {_med(replica_check['check_s']) * 1e3:.1f} ms over "
-                        f"{replica_check['bytes'] / 2**20:.1f} MiB of replicated tensors")
+    def replica_check(self) -> Dict[str, Any]:
+        """The replica check (check_replicas): what a first save, or one whose plan changed, pays for it."""
+        rc = _time_replica_check(self.state, self.rank, self.world, max(1, self.reps), self.dist)
+        self.say(f"replica check: {median(rc['check_s']) * 1e3:.1f} ms over "
+                 f"{rc['bytes'] / 2**20:.1f} MiB of replicated tensors")
+        return rc
 
-    # ---- training-side cost of a background save
-    training: Dict[str, Any] = {}
-    if cfg["train"]:
+    def _background_save(self, system: str) -> Callable[[], bool]:
+        """Start one background save of ``system``; whether it is done."""
+        if system in ("nostall_async", "nostall_overlap", REMOTE):
+            mgr = self._async_mgr(system)
+            assert mgr is not None
+            mgr.finalize_pending_saves()
+            done: Callable[[], bool] = mgr.save(10_000, self.state).done
+            return done
+        d = os.path.join(self.root, system, "train")
+        if system == "dcp_async_thread":
+            return self.dcp.async_save(self.state, checkpoint_id=d).done
+        r = self._dcp_process_save(d)
+        return (getattr(r, "upload_completion", None) or r).done
+
+    def training(self) -> Dict[str, Any]:
+        """The training-side cost of a background save: step times while it writes, against a baseline."""
+        training: Dict[str, Any] = {}
+        loop = self.loop
         for _ in range(5):
             loop.step()
         baselines = []
-        for system in [s for s in systems if s in ASYNC]:
-            _say(cfg, rank, f"training steps while {system} writes")
-            dist.barrier()  # the baseline right before, under the same conditions
+        for system in [s for s in self.systems if s in ASYNC]:
+            self.say(f"training steps while {system} writes")
+            self.dist.barrier()  # the baseline right before, under the same conditions
             base = statistics.median([loop.step() for _ in range(30)])
             baselines.append(base)
-            dist.barrier()
-            d = os.path.join(root, system, "train")
-            if system in ("nostall_async", "nostall_overlap", REMOTE):
-                mgr = {"nostall_async": mgr_async, "nostall_overlap": mgr_overlap, REMOTE: mgr_remote}[system]
-                assert mgr is not None
-                mgr.finalize_pending_saves()
-                h = mgr.save(10_000, state)
-                done: Callable[[], bool] = h.done
-            elif system == "dcp_async_thread":
-                f = dcp.async_save(state, checkpoint_id=d)
-                done = f.done
-            else:
-                from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-
-                r = dcp.async_save(state, checkpoint_id=d, async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                   async_stager=dcp_proc_stager)
-                fut = getattr(r, "upload_completion", None) or r
-                done = fut.done
+            self.dist.barrier()
+            done = self._background_save(system)
             steps: List[float] = []
             while not done() or len(steps) < 3:
                 steps.append(loop.step())
@@ -521,19 +406,29 @@ def _run_rank(rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any,
             training[system] = {"step_s": statistics.median(steps), "steps": len(steps), "baseline_step_s": base,
                                 "slowdown": statistics.median(steps) / base}
         training["baseline_step_s"] = statistics.median(baselines) if baselines else float("nan")
-        for m in (mgr_async, mgr_overlap, mgr_remote):
+        for m in (self.mgr_async, self.mgr_overlap, self.mgr_remote):
             if m is not None:
                 m.finalize_pending_saves()
+        return training
 
-    for m in (mgr_sync, mgr_async, mgr_overlap, mgr_remote):
-        if m is not None:
-            m.close()
-    if dcp_proc_stager is not None:
-        try:
-            dcp_proc_stager.close()
-        except Exception:
-            pass
-    return {"bytes": nbytes, "systems": res, "loads": loads, "training": training, "replica_check": replica_check}
+    def close(self) -> None:
+        for m in (self.mgr_sync, self.mgr_async, self.mgr_overlap, self.mgr_remote):
+            if m is not None:
+                m.close()
+        if self.dcp_proc_stager is not None:
+            try:
+                self.dcp_proc_stager.close()
+            except Exception:
+                pass
+
+    def main(self) -> Dict[str, Any]:
+        self.saves()
+        loads = self.loads() if self.cfg["loads"] else {}
+        replica_check = self.replica_check() if "nostall_sync" in self.systems else {}
+        training = self.training() if self.cfg["train"] else {}
+        self.close()
+        return {"bytes": self.nbytes, "systems": self.res, "loads": loads, "training": training,
+                "replica_check": replica_check}
 
 
 def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int, dist: Any) -> Dict[str, Any]:
@@ -561,53 +456,6 @@ def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int,
 
 
 # --------------------------------------------------------------------------- the launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def gather_ranks(worker: Callable[..., None], ranks: int, root: str, cfg: Dict[str, Any], timeout: float,
-                 what: str = "benchmark") -> Dict[int, Any]:
-    """Run ``worker(rank, ranks, init, root, cfg, queue)`` in ``ranks`` spawned processes and collect their results.
-
-    Every benchmark mode launches its ranks with this: ``init`` is a
-    ``tcp://127.0.0.1`` address for their gloo group, and each rank puts
-    ``(rank, result)`` on ``queue`` (a dict with ``"error"`` when it failed).
-    Raises if a rank fails or dies, or the whole run outlasts ``timeout``
-    seconds; no rank process is left on return.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    pc = mp.start_processes(worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False, start_method="spawn")
-    per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"the {what} did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError(f"a {what} rank died") from None
-                continue
-            if isinstance(r, dict) and "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
-        pc.join(60)
-    finally:
-        for p in pc.processes:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
-    return per_rank
 
 
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
@@ -656,10 +504,6 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     }
 
 
-def _med(xs: List[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def format_table(out: Dict[str, Any]) -> str:
     c = out["config"]
     lines = [f"{c['ranks']} ranks x {c['bytes_per_rank'] / 2**20:.0f} MiB, {c['reps']} repetitions "
@@ -671,43 +515,45 @@ def format_table(out: Dict[str, Any]) -> str:
         st, cm = r["stall_s"], r["commit_s"]
         fs = r["first_save"]["stall_s"] if r["first_save"] else float("nan")
         lines.append(
-            f"{name:<20}{_med(st) * 1e3:>10.1f} ms ({min(st) * 1e3:.0f}-{max(st) * 1e3:.0f})"
-            f"{_med(cm) * 1e3:>12.1f} ms ({min(cm) * 1e3:.0f}-{max(cm) * 1e3:.0f})"
-            f"{_med(r['throughput_gbps']):>7.2f}{_med(r['rss_mb']):>9.0f}{_med(r['helper_rss_mb']):>10.0f}"
+            f"{name:<20}{median(st) * 1e3:>10.1f} ms ({min(st) * 1e3:.0f}-{max(st) * 1e3:.0f})"
+            f"{median(cm) * 1e3:>12.1f} ms ({min(cm) * 1e3:.0f}-{max(cm) * 1e3:.0f})"
+            f"{median(r['throughput_gbps']):>7.2f}{median(r['rss_mb']):>9.0f}{median(r['helper_rss_mb']):>10.0f}"
             f"{fs * 1e3:>10.0f} ms"
         )
     lines.append("")
     ns = s.get("nostall_async")
     if ns and "nostall_overlap" in s:
         ov = s["nostall_overlap"]
-        during, before = _med([c[0] for c in ov["compute_ms"]]), _med([c[1] for c in ov["compute_ms"]])
-        lines.append(f"  nostall_overlap stall / nostall_async stall = {_med(ov['stall_s']) / _med(ns['stall_s']):.3f}"
+        during, before = median([c[0] for c in ov["compute_ms"]]), median([c[1] for c in ov["compute_ms"]])
+        ratio = median(ov['stall_s']) / median(ns['stall_s'])
+        lines.append(f"  nostall_overlap stall / nostall_async stall = {ratio:.3f}"
                      f" (forward/backward while it copies: {during:.2f} ms, x{during / before:.2f} of {before:.2f} ms"
                      " after the save)")
     if ns and REMOTE in s:
-        lines.append(f"  {REMOTE} stall / nostall_async stall = {_med(s[REMOTE]['stall_s']) / _med(ns['stall_s']):.3f}")
+        ratio = median(s[REMOTE]['stall_s']) / median(ns['stall_s'])
+        lines.append(f"  {REMOTE} stall / nostall_async stall = {ratio:.3f}")
     if ns:
-        ref = _med(ns["stall_s"])
+        ref = median(ns["stall_s"])
         for other in ("nostall_sync", "dcp_sync", "dcp_async_thread", "dcp_async_process", "torch_save", "copy"):
             if other in s:
-                lines.append(f"  nostall_async stall / {other} stall = {ref / _med(s[other]['stall_s']):.3f}")
+                lines.append(f"  nostall_async stall / {other} stall = {ref / median(s[other]['stall_s']):.3f}")
     if "nostall_sync" in s and "dcp_sync" in s:
         lines.append(f"  nostall_sync / dcp_sync (until durable) = "
-                     f"{_med(s['nostall_sync']['commit_s']) / _med(s['dcp_sync']['commit_s']):.3f}")
+                     f"{median(s['nostall_sync']['commit_s']) / median(s['dcp_sync']['commit_s']):.3f}")
     if "nostall_sync" in s:
         lines.append(f"  nostall_sync / write floor (until durable) = "
-                     f"{_med(s['nostall_sync']['commit_s']) / _med(s['write']['commit_s']):.3f}")
+                     f"{median(s['nostall_sync']['commit_s']) / median(s['write']['commit_s']):.3f}")
     rc = out.get("replica_check")
     if rc and "nostall_sync" in s:
-        check = _med(rc["check_s"])
+        check = median(rc["check_s"])
         lines.append(f"  replica check (first save, or a changed plan): {check * 1e3:.1f} ms for "
                      f"{rc['bytes'] / 2**20:.1f} MiB replicated on this rank ({rc['keys']} keys); "
-                     f"/ nostall_sync stall = {check / _med(s['nostall_sync']['stall_s']):.3f}")
+                     f"/ nostall_sync stall = {check / median(s['nostall_sync']['stall_s']):.3f}")
     if out["loads"]:
         lines.append("")
         for name, r in out["loads"].items():
-            rs = f", resharded {_med(r['resharded_s']) * 1e3:.1f} ms" if r["resharded_s"] else ""
-            lines.append(f"  load {name:<11} same layout {_med(r['same_layout_s']) * 1e3:.1f} ms{rs}")
+            rs = f", resharded {median(r['resharded_s']) * 1e3:.1f} ms" if r["resharded_s"] else ""
+            lines.append(f"  load {name:<11} same layout {median(r['same_layout_s']) * 1e3:.1f} ms{rs}")
     t = out["training"]
     if t:
         lines.append("")
@@ -731,9 +577,9 @@ def plot(out: Dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, field, title, limit in ((axes[0], "stall_s", "time the training loop is blocked", "copy"),
                                     (axes[1], "commit_s", "time until the checkpoint is durable", "write")):
-        vals = [_med(s[n][field]) for n in names]
+        vals = [median(s[n][field]) for n in names]
         ax.bar(range(len(names)), vals, color=["tab:blue" if n.startswith("nostall") else "tab:gray" for n in names])
-        ax.axhline(_med(s[limit][field]), color="tab:red", linestyle="--", label=f"limit: {limit}")
+        ax.axhline(median(s[limit][field]), color="tab:red", linestyle="--", label=f"limit: {limit}")
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_ylabel("seconds (median)")
         ax.set_title(title)
@@ -755,20 +601,11 @@ def _remove_remote(url: str, storage_options: Optional[Dict[str, Any]]) -> None:
         print(f"could not remove {url}: {e}", file=sys.stderr)
 
 
-MODES = {"train": "nostall.tools.bench.train", "scale": "nostall.tools.bench.scale",
-         "incremental": "nostall.tools.bench.incremental"}
-"""``nostall bench MODE ...``: the other benchmarks, each in its own module with its own ``main(argv)``."""
-
-
 def main(argv: Optional[List[str]] = None) -> int:
-    import importlib
-
-    from nostall.tools.cli import storage_options_arg
-
+    """``nostall bench [OPTIONS]`` (:func:`nostall.tools.bench.main` dispatches the other modes)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in MODES:
-        mode_main: Callable[[List[str]], int] = importlib.import_module(MODES[argv[0]]).main
-        return mode_main(argv[1:])
+    if argv[:1] and argv[0] in MODES:  # python -m nostall.tools.bench.compare MODE ...
+        return bench_main(argv)
 
     ap = argparse.ArgumentParser(prog="nostall bench",
                                  description="Benchmark nostall side by side with PyTorch DCP, torch.save and the "
@@ -809,12 +646,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
                     train=not args.no_train, remote=args.remote, storage_options=args.storage_options,
                     compute_ms=args.compute_ms, progress=not args.quiet)
-    print(format_table(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.plot:
-        plot(out, args.plot)
+    write_outputs(out, format_table(out), args.json, args.plot, plot)
     return 0
 
 

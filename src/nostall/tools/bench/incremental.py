@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import platform
@@ -60,7 +59,7 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from nostall.tools.bench.compare import _locals, _zero_template, gather_ranks
+from nostall.tools.bench.common import gather_ranks, local_tensors, serve_rank, write_outputs, zero_template
 
 SYSTEMS = ("full_async", "incremental_async", "full_sync", "incremental_sync")
 STATES = ("lora", "everything")
@@ -140,7 +139,7 @@ class _State:
         self.state["step"] = step
 
     def locals(self) -> List[Any]:
-        return _locals(self.state)
+        return local_tensors(self.state)
 
 
 def _dir_bytes(path: str) -> int:
@@ -219,7 +218,7 @@ class _Rank:
     def verify(self, mgr: Any, st: _State) -> Tuple[bool, str]:
         """Load the run's last checkpoint (checksums verified) and compare it bit for bit with the state."""
         torch = self.torch
-        template = _zero_template(st.state)
+        template = zero_template(st.state)
         template["step"] = -1
         try:
             loaded = mgr.load(template)
@@ -227,7 +226,7 @@ class _Rank:
             return False, f"rank {self.rank}: load failed: {type(e).__name__}: {e}"
         if loaded["step"] != st.state["step"]:
             return False, f"rank {self.rank}: step {loaded['step']!r}, saved {st.state['step']!r}"
-        got, want = _locals(template), st.locals()
+        got, want = local_tensors(template), st.locals()
         if len(got) != len(want):
             return False, f"rank {self.rank}: {len(got)} tensors loaded, {len(want)} saved"
         for i, (a, b) in enumerate(zip(got, want)):
@@ -280,16 +279,7 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
     import torch.distributed as dist
 
     logging.getLogger("torch.distributed").setLevel(logging.WARNING)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        q.put((rank, _Rank(rank, world, root, cfg, torch, dist).main()))
-    except BaseException as e:  # report, so the launcher does not wait forever
-        import traceback
-
-        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
-    finally:
-        dist.destroy_process_group()
+    serve_rank(rank, world, init, q, lambda: _Rank(rank, world, root, cfg, torch, dist).main())
 
 
 # --------------------------------------------------------------------------- figures
@@ -590,12 +580,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("--full-every must be at least 1")
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, args.saves, systems, states, args.full_every,
                     args.dir, progress=not args.quiet)
-    print(format_table(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.plot:
-        plot(out, args.plot)
+    write_outputs(out, format_table(out), args.json, args.plot, plot)
     return 0 if out["verification_passed"] or not out["verified"] else 1
 
 

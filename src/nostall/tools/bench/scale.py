@@ -34,23 +34,18 @@ import os
 import pickle
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from nostall.tools.bench.compare import gather_ranks
+from nostall.tools.bench.common import gather_ranks, median, serve_rank
 
 PARTS = ("planning", "moe", "load")
 TP_GROUP = 8
 """Tensor-parallel group size of the synthetic metadata's TP-sharded tensors."""
 CRC_SAMPLE = 2864434397
 """A ten-digit checksum value that the synthetic manifests carry (real ones are as long, or one digit less)."""
-
-
-def _med(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
 
 
 def _say(progress: bool, text: str) -> None:
@@ -149,12 +144,12 @@ def bench_planning(ranks_list: Sequence[int], tensors_list: Sequence[int], reps:
                 parse_s.append(_timed(Manifest.from_json_bytes, raw, "synthetic")[0])
             points.append({
                 "ranks": ranks, "tensors": tensors, "pieces": pieces, "files": len(plan.files),
-                "signature_s": _med(sig_s), "metadata_bytes": _med([len(b) for b in blobs]),
+                "signature_s": median(sig_s), "metadata_bytes": median([len(b) for b in blobs]),
                 "gather_decode_s": decode_s, "plan_s": plan_s, **times,
                 "manifest_bytes": len(raw), "parse_s": parse_s,
             })
-            _say(progress, f"  plan {_med(plan_s) * 1e3:.0f} ms for {pieces} pieces; manifest "
-                           f"{len(raw) / 2**20:.1f} MiB parsed in {_med(parse_s) * 1e3:.0f} ms")
+            _say(progress, f"  plan {median(plan_s) * 1e3:.0f} ms for {pieces} pieces; manifest "
+                           f"{len(raw) / 2**20:.1f} MiB parsed in {median(parse_s) * 1e3:.0f} ms")
             del metas, gathered, plan, raw, blobs
             gc.collect()
     return points
@@ -207,86 +202,94 @@ def _moe_rank(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        q.put((rank, _moe_run(rank, world, root, cfg, dist)))
-    except BaseException as e:  # report, so that the launcher does not wait forever
-        import traceback
-
-        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
-    finally:
-        dist.destroy_process_group()
+    serve_rank(rank, world, init, q, lambda: _moe_run(rank, world, root, cfg, dist))
 
 
 def _moe_run(rank: int, world: int, root: str, cfg: Dict[str, Any], dist: Any) -> List[Dict[str, Any]]:
+    return [_moe_point(rank, world, root, cfg, dist, n) for n in cfg["tensors"]]
+
+
+def _moe_point(rank: int, world: int, root: str, cfg: Dict[str, Any], dist: Any, n: int) -> Dict[str, Any]:
+    """The async saves of ``n`` small expert tensors per rank, then where their metadata work goes."""
     import torch
 
     import nostall
-    from nostall.core.format import MANIFEST_NAME, Manifest
+
+    state, tensors, nbytes = _moe_state(rank, world, n, cfg["kib"])
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf.zero_()  # touched: the copy floor pays no page faults
+    d = os.path.join(root, f"moe-{n}")
+    mgr = nostall.CheckpointManager(d, async_save=True, keep_last=2)
+    res: Dict[str, Any] = {"tensors": n, "bytes_per_rank": nbytes, "stall_s": [], "plan_s": [], "stage_s": [],
+                           "copy_floor_s": [], "breakdown": {}}
+    for rep in range(cfg["reps"] + 1):
+        _moe_save(rank, cfg, dist, mgr, state, tensors, buf, rep, res)
+    mgr.finalize_pending_saves()
+    res["breakdown"] = _moe_breakdown(state, world, cfg["reps"], dist)
+    res.update(_manifest_parse(os.path.join(d, f"step_{mgr.latest_step()}"), cfg["reps"]))
+    mgr.close()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(d, ignore_errors=True)
+    return res
+
+
+def _moe_save(rank: int, cfg: Dict[str, Any], dist: Any, mgr: Any, state: Dict[str, Any], tensors: Sequence[Any],
+              buf: Any, rep: int, res: Dict[str, Any]) -> None:
+    """One timed async save (``rep`` 0: the first, reported apart), its copy floor beside it."""
+    n = res["tensors"]
+    dist.barrier()
+    floor = _copy_floor(tensors, buf)
+    mgr.finalize_pending_saves()  # the previous save is finalized before the timer
+    dist.barrier()
+    t0 = time.perf_counter()
+    h = mgr.save(rep, state)
+    stall = time.perf_counter() - t0
+    st = h.stats
+    assert st is not None
+    if cfg["progress"] and rank == 0:
+        _say(True, f"moe {n} tensors {'first save' if rep == 0 else f'rep {rep}'}: stall "
+                   f"{stall * 1e3:.1f} ms (plan {st.plan_s * 1e3:.1f} ms{' cached' if st.plan_cached else ''}, "
+                   f"copy {st.stage_s * 1e3:.1f} ms), copy floor {floor * 1e3:.1f} ms")
+    if rep == 0:
+        res["first_save"] = {"stall_s": stall, "plan_s": st.plan_s, "stage_s": st.stage_s}
+        return
+    res["stall_s"].append(stall)
+    res["plan_s"].append(st.plan_s)
+    res["stage_s"].append(st.stage_s)
+    res["copy_floor_s"].append(floor)
+    res["plan_cached"] = st.plan_cached
+
+
+def _moe_breakdown(state: Dict[str, Any], world: int, reps: int, dist: Any) -> Dict[str, List[float]]:
+    """Where the metadata work of a save goes, step by step, outside a save."""
     from nostall.core.model import flatten
     from nostall.planning.plan import build_plan, local_meta
 
-    points = []
-    for n in cfg["tensors"]:
-        state, tensors, nbytes = _moe_state(rank, world, n, cfg["kib"])
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        buf.zero_()  # touched: the copy floor pays no page faults
-
-        d = os.path.join(root, f"moe-{n}")
-        mgr = nostall.CheckpointManager(d, async_save=True, keep_last=2)
-        res: Dict[str, Any] = {"tensors": n, "bytes_per_rank": nbytes, "stall_s": [], "plan_s": [], "stage_s": [],
-                               "copy_floor_s": [], "breakdown": {}}
-        for rep in range(cfg["reps"] + 1):
-            dist.barrier()
-            floor = _copy_floor(tensors, buf)
-            mgr.finalize_pending_saves()  # the previous save is finalized before the timer
-            dist.barrier()
-            t0 = time.perf_counter()
-            h = mgr.save(rep, state)
-            stall = time.perf_counter() - t0
-            st = h.stats
-            assert st is not None
-            if cfg["progress"] and rank == 0:
-                _say(True, f"moe {n} tensors {'first save' if rep == 0 else f'rep {rep}'}: stall "
-                           f"{stall * 1e3:.1f} ms (plan {st.plan_s * 1e3:.1f} ms{' cached' if st.plan_cached else ''}, "
-                           f"copy {st.stage_s * 1e3:.1f} ms), copy floor {floor * 1e3:.1f} ms")
-            if rep == 0:
-                res["first_save"] = {"stall_s": stall, "plan_s": st.plan_s, "stage_s": st.stage_s}
-                continue
-            res["stall_s"].append(stall)
-            res["plan_s"].append(st.plan_s)
-            res["stage_s"].append(st.stage_s)
-            res["copy_floor_s"].append(floor)
-            res["plan_cached"] = st.plan_cached
-        mgr.finalize_pending_saves()
-        # where the metadata work of a save goes, step by step, outside a save
-        bd: Dict[str, List[float]] = {k: [] for k in ("flatten_s", "local_meta_s", "signature_s", "gather_s",
-                                                       "build_plan_s")}
-        for _ in range(cfg["reps"]):
-            dist.barrier()
-            t, flat = _timed(flatten, state)
-            bd["flatten_s"].append(t)
-            t, meta = _timed(local_meta, flat)
-            bd["local_meta_s"].append(t)
-            bd["signature_s"].append(_timed(meta.signature)[0])
-            gathered: List[Any] = [None] * world
-            dist.barrier()
-            bd["gather_s"].append(_timed(dist.all_gather_object, gathered, meta)[0])
-            bd["build_plan_s"].append(_timed(build_plan, gathered)[0])
-        res["breakdown"] = bd
-        step = mgr.latest_step()
-        with open(os.path.join(d, f"step_{step}", MANIFEST_NAME), "rb") as f:
-            raw = f.read()
-        res["manifest_bytes"] = len(raw)
-        res["parse_s"] = [_timed(Manifest.from_json_bytes, raw, "m")[0] for _ in range(max(1, cfg["reps"]))]
-        mgr.close()
+    bd: Dict[str, List[float]] = {k: [] for k in ("flatten_s", "local_meta_s", "signature_s", "gather_s",
+                                                   "build_plan_s")}
+    for _ in range(reps):
         dist.barrier()
-        if rank == 0:
-            shutil.rmtree(d, ignore_errors=True)
-        points.append(res)
-        del state, tensors, buf
-    return points
+        t, flat = _timed(flatten, state)
+        bd["flatten_s"].append(t)
+        t, meta = _timed(local_meta, flat)
+        bd["local_meta_s"].append(t)
+        bd["signature_s"].append(_timed(meta.signature)[0])
+        gathered: List[Any] = [None] * world
+        dist.barrier()
+        bd["gather_s"].append(_timed(dist.all_gather_object, gathered, meta)[0])
+        bd["build_plan_s"].append(_timed(build_plan, gathered)[0])
+    return bd
+
+
+def _manifest_parse(path: str, reps: int) -> Dict[str, Any]:
+    """The size of the manifest of the checkpoint at ``path``, and the times to parse it."""
+    from nostall.core.format import MANIFEST_NAME, Manifest
+
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        raw = f.read()
+    return {"manifest_bytes": len(raw),
+            "parse_s": [_timed(Manifest.from_json_bytes, raw, "m")[0] for _ in range(max(1, reps))]}
 
 
 def bench_moe(ranks: int, tensors_list: Sequence[int], kib: Tuple[float, float], reps: int, root: str,
@@ -365,68 +368,93 @@ def bench_load(pieces_list: Sequence[int], mb: int, n_tensors: int, reps: int, r
     """One point per piece count: the loads of the checkpoint :func:`write_pieces_checkpoint` writes."""
     import torch
 
-    import nostall
-    from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest
-    from nostall.core.model import ShardedTensor
-
     cols = 1024
     rows = max(max(pieces_list), (mb << 20) // (4 * cols * n_tensors))
     rows -= rows % max(pieces_list)
     g = torch.Generator().manual_seed(7)
     tensors = {f"w{i}": torch.randn((rows, cols), generator=g) for i in range(n_tensors)}
     nbytes = sum(t.numel() * 4 for t in tensors.values())
-    buf = memoryview(bytearray(8 << 20))
     points = []
     for pieces in pieces_list:
         if rows % pieces:
             raise ValueError(f"{rows} rows do not split into {pieces} pieces")
         _say(progress, f"load: {n_tensors} tensors x {rows} x {cols} fp32 ({nbytes / 2**20:.0f} MiB) in {pieces} "
                        "pieces each")
-        path = os.path.join(root, f"pieces-{pieces}")
-        write_pieces_checkpoint(path, tensors, pieces, DEFAULT_BLOCK_SIZE)
-        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
-        h = rows // pieces
-        sample = sorted({0, pieces // 3, (2 * pieces) // 3, pieces - 1})
-
-        def full() -> Dict[str, Any]:
-            return {k: torch.empty((rows, cols)) for k in tensors}
-
-        def halves(i: int) -> Dict[str, Any]:
-            half = cols // 2
-            return {k: ShardedTensor(torch.empty((rows, half)), (rows, cols), (0, half * i)) for k in tensors}
-
-        def own(r: int, h: int = h) -> Dict[str, Any]:
-            return {k: ShardedTensor(torch.empty((h, cols)), (rows, cols), (h * r, 0)) for k in tensors}
-
-        # correctness once, outside the timers
-        out = nostall.load(full(), path)
-        assert all(torch.equal(out[k], tensors[k]) for k in tensors)
-        res: Dict[str, Any] = {"pieces": pieces, "tensors": n_tensors, "bytes": nbytes, "raw_read_s": [],
-                               "full_s": [], "resharded_s": [], "same_layout_rank_s": [], "raw_read_rank_s": [],
-                               "rank_bytes": h * cols * 4 * n_tensors}
-        for _ in range(max(1, reps)):
-            res["raw_read_s"].append(_raw_read(files, buf))
-            t_full, _ = _timed(nostall.load, full(), path)
-            res["full_s"].append(t_full)
-            tmpl = [halves(0), halves(1)]
-            res["resharded_s"].append(_timed(_load_each, tmpl, path)[0])
-            per_rank, raw_rank = [], []
-            for r in sample:
-                tm = own(r)
-                per_rank.append(_timed(nostall.load, tm, path)[0])
-                raw_rank.append(_raw_read([os.path.join(path, f"rank{r}.safetensors")], buf))
-            res["same_layout_rank_s"].append(_med(per_rank))
-            res["raw_read_rank_s"].append(_med(raw_rank))
-        with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-            raw = f.read()
-        res["manifest_bytes"] = len(raw)
-        res["parse_s"] = [_timed(Manifest.from_json_bytes, raw, "m")[0] for _ in range(max(1, reps))]
-        _say(progress, f"  raw read {_med(res['raw_read_s']) * 1e3:.0f} ms, full {_med(res['full_s']) * 1e3:.0f} ms, "
-                       f"resharded {_med(res['resharded_s']) * 1e3:.0f} ms, one rank's pieces "
-                       f"{_med(res['same_layout_rank_s']) * 1e3:.1f} ms")
-        shutil.rmtree(path, ignore_errors=True)
+        res = _load_point(tensors, pieces, reps, os.path.join(root, f"pieces-{pieces}"))
+        _say(progress, f"  raw read {median(res['raw_read_s']) * 1e3:.0f} ms, "
+                       f"full {median(res['full_s']) * 1e3:.0f} ms, "
+                       f"resharded {median(res['resharded_s']) * 1e3:.0f} ms, one rank's pieces "
+                       f"{median(res['same_layout_rank_s']) * 1e3:.1f} ms")
         points.append(res)
     return points
+
+
+class _LoadTemplates:
+    """The templates of the loads of one piece count: full tensors, two column halves, one rank's rows."""
+
+    def __init__(self, tensors: Dict[str, Any], pieces: int) -> None:
+        self.keys = list(tensors)
+        self.rows, self.cols = next(iter(tensors.values())).shape
+        self.h = self.rows // pieces
+
+    def full(self) -> Dict[str, Any]:
+        import torch
+
+        return {k: torch.empty((self.rows, self.cols)) for k in self.keys}
+
+    def halves(self, i: int) -> Dict[str, Any]:
+        import torch
+
+        from nostall.core.model import ShardedTensor
+
+        half = self.cols // 2
+        return {k: ShardedTensor(torch.empty((self.rows, half)), (self.rows, self.cols), (0, half * i))
+                for k in self.keys}
+
+    def own(self, r: int) -> Dict[str, Any]:
+        import torch
+
+        from nostall.core.model import ShardedTensor
+
+        return {k: ShardedTensor(torch.empty((self.h, self.cols)), (self.rows, self.cols), (self.h * r, 0))
+                for k in self.keys}
+
+
+def _load_point(tensors: Dict[str, Any], pieces: int, reps: int, path: str) -> Dict[str, Any]:
+    """Write the checkpoint of ``pieces`` row blocks at ``path``, check one load, time the loads, remove it."""
+    import torch
+
+    import nostall
+    from nostall.core.format import DEFAULT_BLOCK_SIZE
+
+    write_pieces_checkpoint(path, tensors, pieces, DEFAULT_BLOCK_SIZE)
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    tm = _LoadTemplates(tensors, pieces)
+    sample = sorted({0, pieces // 3, (2 * pieces) // 3, pieces - 1})
+    buf = memoryview(bytearray(8 << 20))
+    # correctness once, outside the timers
+    out = nostall.load(tm.full(), path)
+    assert all(torch.equal(out[k], tensors[k]) for k in tensors)
+    res: Dict[str, Any] = {"pieces": pieces, "tensors": len(tensors),
+                           "bytes": sum(t.numel() * 4 for t in tensors.values()), "raw_read_s": [],
+                           "full_s": [], "resharded_s": [], "same_layout_rank_s": [], "raw_read_rank_s": [],
+                           "rank_bytes": tm.h * tm.cols * 4 * len(tensors)}
+    for _ in range(max(1, reps)):
+        res["raw_read_s"].append(_raw_read(files, buf))
+        t_full, _ = _timed(nostall.load, tm.full(), path)
+        res["full_s"].append(t_full)
+        tmpl = [tm.halves(0), tm.halves(1)]
+        res["resharded_s"].append(_timed(_load_each, tmpl, path)[0])
+        per_rank, raw_rank = [], []
+        for r in sample:
+            own = tm.own(r)
+            per_rank.append(_timed(nostall.load, own, path)[0])
+            raw_rank.append(_raw_read([os.path.join(path, f"rank{r}.safetensors")], buf))
+        res["same_layout_rank_s"].append(median(per_rank))
+        res["raw_read_rank_s"].append(median(raw_rank))
+    res.update(_manifest_parse(path, reps))
+    shutil.rmtree(path, ignore_errors=True)
+    return res
 
 
 # --------------------------------------------------------------------------- the whole run, table, plots
@@ -473,10 +501,10 @@ def format_table(out: Dict[str, Any]) -> str:
                   f"{'ranks':>6}{'tensors':>8}{'pieces':>9}{'plan ms':>10}{'sig ms':>8}{'decode ms':>11}"
                   f"{'skeleton ms':>13}{'encode ms':>11}{'manifest MiB':>14}{'parse ms':>10}"]
         for p in out["planning"]:
-            lines.append(f"{p['ranks']:>6}{p['tensors']:>8}{p['pieces']:>9}{_med(p['plan_s']) * 1e3:>10.1f}"
+            lines.append(f"{p['ranks']:>6}{p['tensors']:>8}{p['pieces']:>9}{median(p['plan_s']) * 1e3:>10.1f}"
                          f"{p['signature_s'] * 1e3:>8.2f}{p['gather_decode_s'] * 1e3:>11.1f}"
                          f"{(p['skeleton_s'] + p['with_crcs_s']) * 1e3:>13.1f}{p['encode_s'] * 1e3:>11.1f}"
-                         f"{p['manifest_bytes'] / 2**20:>14.2f}{_med(p['parse_s']) * 1e3:>10.1f}")
+                         f"{p['manifest_bytes'] / 2**20:>14.2f}{median(p['parse_s']) * 1e3:>10.1f}")
     moe = out.get("moe")
     if moe:
         lines += ["", f"many small tensors: {moe['ranks']} ranks, async save (steady state; rank 0)",
@@ -484,14 +512,14 @@ def format_table(out: Dict[str, Any]) -> str:
                   f"{'stall/floor':>12}{'first ms':>10}{'flatten':>9}{'meta':>7}{'sig':>7}{'gather':>8}{'plan':>7}"
                   f"{'manifest KiB':>13}{'parse ms':>10}"]
         for p in moe["points"]:
-            bd = {k: _med(v) * 1e3 for k, v in p["breakdown"].items()}
-            stall, floor = _med(p["stall_s"]), _med(p["copy_floor_s"])
+            bd = {k: median(v) * 1e3 for k, v in p["breakdown"].items()}
+            stall, floor = median(p["stall_s"]), median(p["copy_floor_s"])
             lines.append(f"{p['tensors']:>8}{p['bytes_per_rank'] / 2**20:>9.1f}{stall * 1e3:>10.1f}"
-                         f"{_med(p['plan_s']) * 1e3:>9.1f}{_med(p['stage_s']) * 1e3:>9.1f}{floor * 1e3:>10.1f}"
+                         f"{median(p['plan_s']) * 1e3:>9.1f}{median(p['stage_s']) * 1e3:>9.1f}{floor * 1e3:>10.1f}"
                          f"{stall / floor if floor else float('nan'):>12.2f}{p['first_save']['stall_s'] * 1e3:>10.1f}"
                          f"{bd['flatten_s']:>9.1f}{bd['local_meta_s']:>7.1f}{bd['signature_s']:>7.1f}"
                          f"{bd['gather_s']:>8.1f}{bd['build_plan_s']:>7.1f}{p['manifest_bytes'] / 1024:>13.0f}"
-                         f"{_med(p['parse_s']) * 1e3:>10.1f}")
+                         f"{median(p['parse_s']) * 1e3:>10.1f}")
         lines.append("  (flatten .. plan: ms of each metadata step of a save, timed apart; a cached plan skips "
                      "gather and plan)")
     if out.get("load"):
@@ -499,12 +527,12 @@ def format_table(out: Dict[str, Any]) -> str:
                   f"{'pieces':>7}{'MiB':>6}{'raw ms':>8}{'full ms':>9}{'x raw':>7}{'reshard ms':>11}{'x raw':>7}"
                   f"{'rank ms':>9}{'rank raw':>9}{'manifest KiB':>13}{'parse ms':>10}"]
         for p in out["load"]:
-            raw = _med(p["raw_read_s"])
-            lines.append(f"{p['pieces']:>7}{p['bytes'] / 2**20:>6.0f}{raw * 1e3:>8.1f}{_med(p['full_s']) * 1e3:>9.1f}"
-                         f"{_med(p['full_s']) / raw:>7.2f}{_med(p['resharded_s']) * 1e3:>11.1f}"
-                         f"{_med(p['resharded_s']) / raw:>7.2f}{_med(p['same_layout_rank_s']) * 1e3:>9.2f}"
-                         f"{_med(p['raw_read_rank_s']) * 1e3:>9.2f}{p['manifest_bytes'] / 1024:>13.0f}"
-                         f"{_med(p['parse_s']) * 1e3:>10.1f}")
+            raw = median(p["raw_read_s"])
+            lines.append(f"{p['pieces']:>7}{p['bytes'] / 2**20:>6.0f}{raw * 1e3:>8.1f}{median(p['full_s']) * 1e3:>9.1f}"
+                         f"{median(p['full_s']) / raw:>7.2f}{median(p['resharded_s']) * 1e3:>11.1f}"
+                         f"{median(p['resharded_s']) / raw:>7.2f}{median(p['same_layout_rank_s']) * 1e3:>9.2f}"
+                         f"{median(p['raw_read_rank_s']) * 1e3:>9.2f}{p['manifest_bytes'] / 1024:>13.0f}"
+                         f"{median(p['parse_s']) * 1e3:>10.1f}")
     return "\n".join(lines)
 
 
@@ -513,6 +541,64 @@ def plot_paths(target: str) -> Dict[str, str]:
     if os.path.isdir(target):
         return {p: os.path.join(target, f"scale-{p}.png") for p in PARTS}
     return {p: f"{target}-{p}.png" for p in PARTS}
+
+
+def _style(ax: Any, xlabel: str, title: str, xbase: int = 10, ylog: bool = True) -> None:
+    ax.set_xscale("log", base=xbase)
+    if ylog:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("seconds (median)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def _save_figure(plt: Any, fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _plot_planning(plt: Any, points: List[Dict[str, Any]], path: str) -> str:
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for tensors in sorted({p["tensors"] for p in points}):
+        pts = [p for p in points if p["tensors"] == tensors]
+        x = [p["ranks"] for p in pts]
+        axes[0].plot(x, [median(p["plan_s"]) for p in pts], "o-", label=f"build_plan, {tensors} tensors")
+        axes[0].plot(x, [p["gather_decode_s"] for p in pts], "s--", label=f"decode gathered metadata, {tensors}")
+        axes[1].plot(x, [p["encode_s"] + p["skeleton_s"] + p["with_crcs_s"] for p in pts], "o-",
+                     label=f"manifest build + encode, {tensors}")
+        axes[1].plot(x, [median(p["parse_s"]) for p in pts], "s--", label=f"manifest parse, {tensors}")
+    axes[0].axhline(1.0, color="tab:red", linestyle=":", label="goal: 1 s")
+    for ax, title in ((axes[0], "planning time"), (axes[1], "manifest")):
+        _style(ax, "ranks", title, xbase=2)
+    return _save_figure(plt, fig, path)
+
+
+def _plot_moe(plt: Any, moe: Dict[str, Any], path: str) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    pts = moe["points"]
+    x = [p["tensors"] for p in pts]
+    ax.plot(x, [median(p["stall_s"]) for p in pts], "o-", label="async save stall")
+    ax.plot(x, [median(p["plan_s"]) for p in pts], "s-", label="its plan share")
+    floor = [median(p["copy_floor_s"]) for p in pts]
+    ax.plot(x, floor, "k--", label="copy floor")
+    ax.plot(x, [2 * f for f in floor], "r:", label="goal: 2 x copy floor")
+    _style(ax, "tensors per rank", f"many small tensors, {moe['ranks']} ranks")
+    return _save_figure(plt, fig, path)
+
+
+def _plot_load(plt: Any, pts: List[Dict[str, Any]], path: str) -> str:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    x = [p["pieces"] for p in pts]
+    for field, label, style in (("raw_read_s", "raw read of the files", "k--"), ("full_s", "load as full tensors",
+                                                                                  "o-"),
+                                ("resharded_s", "load as halves across the pieces", "s-")):
+        ax.plot(x, [median(p[field]) for p in pts], style, label=label)
+    _style(ax, "pieces per tensor", f"loads, {pts[0]['tensors']} tensors, {pts[0]['bytes'] / 2**20:.0f} MiB",
+           xbase=2, ylog=False)
+    return _save_figure(plt, fig, path)
 
 
 def plot(out: Dict[str, Any], target: str) -> List[str]:
@@ -525,64 +611,11 @@ def plot(out: Dict[str, Any], target: str) -> List[str]:
     paths = plot_paths(target)
     written = []
     if out.get("planning"):
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for tensors in sorted({p["tensors"] for p in out["planning"]}):
-            pts = [p for p in out["planning"] if p["tensors"] == tensors]
-            x = [p["ranks"] for p in pts]
-            axes[0].plot(x, [_med(p["plan_s"]) for p in pts], "o-", label=f"build_plan, {tensors} tensors")
-            axes[0].plot(x, [p["gather_decode_s"] for p in pts], "s--", label=f"decode gathered metadata, {tensors}")
-            axes[1].plot(x, [p["encode_s"] + p["skeleton_s"] + p["with_crcs_s"] for p in pts], "o-",
-                         label=f"manifest build + encode, {tensors}")
-            axes[1].plot(x, [_med(p["parse_s"]) for p in pts], "s--", label=f"manifest parse, {tensors}")
-        axes[0].axhline(1.0, color="tab:red", linestyle=":", label="goal: 1 s")
-        for ax, title in ((axes[0], "planning time"), (axes[1], "manifest")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("ranks")
-            ax.set_ylabel("seconds (median)")
-            ax.set_title(title)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(paths["planning"], dpi=100)
-        plt.close(fig)
-        written.append(paths["planning"])
-    moe = out.get("moe")
-    if moe:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        pts = moe["points"]
-        x = [p["tensors"] for p in pts]
-        ax.plot(x, [_med(p["stall_s"]) for p in pts], "o-", label="async save stall")
-        ax.plot(x, [_med(p["plan_s"]) for p in pts], "s-", label="its plan share")
-        floor = [_med(p["copy_floor_s"]) for p in pts]
-        ax.plot(x, floor, "k--", label="copy floor")
-        ax.plot(x, [2 * f for f in floor], "r:", label="goal: 2 x copy floor")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tensors per rank")
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(f"many small tensors, {moe['ranks']} ranks")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(paths["moe"], dpi=100)
-        plt.close(fig)
-        written.append(paths["moe"])
+        written.append(_plot_planning(plt, out["planning"], paths["planning"]))
+    if out.get("moe"):
+        written.append(_plot_moe(plt, out["moe"], paths["moe"]))
     if out.get("load"):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        pts = out["load"]
-        x = [p["pieces"] for p in pts]
-        for field, label, style in (("raw_read_s", "raw read of the files", "k--"), ("full_s", "load as full tensors",
-                                                                                      "o-"),
-                                    ("resharded_s", "load as halves across the pieces", "s-")):
-            ax.plot(x, [_med(p[field]) for p in pts], style, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("pieces per tensor")
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(f"loads, {pts[0]['tensors']} tensors, {pts[0]['bytes'] / 2**20:.0f} MiB")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(paths["load"], dpi=100)
-        plt.close(fig)
-        written.append(paths["load"])
+        written.append(_plot_load(plt, out["load"], paths["load"]))
     return written
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import math
 import os
@@ -48,7 +47,8 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from nostall.tools.bench.compare import _TrainLoop, _locals, _quiet_dcp_process, _zero_template, gather_ranks
+from nostall.tools.bench.common import (TrainLoop, gather_ranks, local_tensors, quiet_dcp_process, serve_rank,
+                                        write_outputs, zero_template)
 
 SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "nostall_async_capped", "dcp_sync", "dcp_async_process",
            "dcp_async_staging", "torch_save")
@@ -106,7 +106,7 @@ class _State:
             model[f"p{i}"] = view(p)
             optim[f"p{i}"] = {"exp_avg": view(st["exp_avg"]), "exp_avg_sq": view(st["exp_avg_sq"])}
         self.state: Dict[str, Any] = {"model": model, "optim": optim, "step": 0}
-        self.tensors = _locals(self.state)  # this rank's local tensors, in a fixed order
+        self.tensors = local_tensors(self.state)  # this rank's local tensors, in a fixed order
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors)
         self.reset()
 
@@ -205,7 +205,7 @@ class _Nostall(_System):
 
     def load_into(self, step: int, template: Dict[str, Any]) -> Tuple[List[Any], Any]:
         restored = self.mgr.load(template, step=step)
-        return _locals(template), restored["step"]
+        return local_tensors(template), restored["step"]
 
     def teardown(self) -> None:
         if self.mgr is not None:
@@ -219,7 +219,7 @@ class _DcpSync(_System):
 
     def load_into(self, step: int, template: Dict[str, Any]) -> Tuple[List[Any], Any]:
         self.ctx.dcp.load(template, checkpoint_id=os.path.join(self.dir, f"step_{step}"))
-        return _locals(template), template["step"]
+        return local_tensors(template), template["step"]
 
 
 class _DcpAsync(_DcpSync):
@@ -308,7 +308,7 @@ class _Rank:
         self.steps: int = cfg["steps"]
         self.save_steps = [s for s in range(1, self.steps) if s % cfg["every"] == 0]  # never the last step
         self.sync = torch.zeros(1)
-        self.loop = _TrainLoop()
+        self.loop = TrainLoop()
         self.host_passes = 0
         self.host_pass_s = 0.0
         self.ref: Dict[int, List[int]] = {}
@@ -412,7 +412,7 @@ class _Rank:
         """Load every checkpoint of the run (step 0 and each save) and compare with the reference digests."""
         n, bad = 0, []
         for s in [0] + self.save_steps:
-            for t in _locals(template):
+            for t in local_tensors(template):
                 t.zero_()
             template["step"] = -1
             tensors, step = system.load_into(s, template)
@@ -427,6 +427,52 @@ class _Rank:
         return n, bad
 
     # ---- everything
+    def make_systems(self, names: List[str]) -> Dict[str, "_System"]:
+        """The systems to time, by name (the baseline has none)."""
+        made: Dict[str, _System] = {}
+        for name in names:
+            sysobj: _System
+            if name.startswith("nostall_"):
+                sysobj = _Nostall(self, async_save=name != "nostall_sync", overlap=name == "nostall_overlap",
+                                  max_write_rate=self.cfg.get("capped_mb_s", CAPPED_MB_S) * 1e6
+                                  if name == "nostall_async_capped" else None)
+            elif name == "dcp_sync":
+                sysobj = _DcpSync(self)
+            elif name in DCP_ASYNC:
+                sysobj = _DcpAsync(self, staging=name == "dcp_async_staging")
+            else:
+                sysobj = _TorchSave(self)
+            sysobj.name = name
+            made[name] = sysobj
+        return made
+
+    def run_system(self, compute: str, system: "Optional[_System]", run_dir: str, template: Dict[str, Any],
+                   verified: Dict[str, int], mismatches: List[str]) -> Dict[str, Any]:
+        """One timed run of ``system`` (None: the baseline) in ``run_dir``: set up with a first, untimed save,
+        run, verify its checkpoints against the reference, tear down."""
+        dist = self.dist
+        if system is not None:
+            if self.rank == 0:
+                os.makedirs(run_dir, exist_ok=True)
+            dist.barrier()
+            system.setup(run_dir)
+            self.st.reset()
+            system.wait_previous()
+            system.save(0)  # a first save, untimed: allocations and process start-ups
+            system.drain()
+            system.extra = []
+        r = self.run(compute, system)
+        if system is not None:
+            n, bad = self.verify(system, template)
+            verified[system.name] += n
+            mismatches += bad
+            r["verified"] = n
+            system.teardown()
+            dist.barrier()
+            if self.rank == 0:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        return r
+
     def main(self) -> Dict[str, Any]:
         torch, dist, cfg = self.torch, self.dist, self.cfg
         systems: List[str] = cfg["systems"]
@@ -438,22 +484,8 @@ class _Rank:
         self.say(f"reference pass: {self.steps} optimizer steps, digests at step 0 and at {len(self.save_steps)} "
                  "save steps (untimed)")
         self.ref = self.reference()
-        made: Dict[str, _System] = {}
-        for name in systems:
-            sysobj: _System
-            if name.startswith("nostall_"):
-                sysobj = _Nostall(self, async_save=name != "nostall_sync", overlap=name == "nostall_overlap",
-                                  max_write_rate=cfg.get("capped_mb_s", CAPPED_MB_S) * 1e6
-                                  if name == "nostall_async_capped" else None)
-            elif name == "dcp_sync":
-                sysobj = _DcpSync(self)
-            elif name in DCP_ASYNC:
-                sysobj = _DcpAsync(self, staging=name == "dcp_async_staging")
-            else:
-                sysobj = _TorchSave(self)
-            sysobj.name = name
-            made[name] = sysobj
-        template = _zero_template(self.st.state)
+        made = self.make_systems(systems)
+        template = zero_template(self.st.state)
         buf = torch.empty(self.st.nbytes, dtype=torch.uint8)
         buf.zero_()  # touched once: the copy floor pays no page faults
         copy_floor: List[float] = []
@@ -468,26 +500,7 @@ class _Rank:
                 for name in ["baseline"] + systems:
                     run_dir = os.path.join(self.root, f"{name}-{compute}-r{rep}")
                     system = made.get(name)
-                    if system is not None:
-                        if self.rank == 0:
-                            os.makedirs(run_dir, exist_ok=True)
-                        dist.barrier()
-                        system.setup(run_dir)
-                        self.st.reset()
-                        system.wait_previous()
-                        system.save(0)  # a first save, untimed: allocations and process start-ups
-                        system.drain()
-                        system.extra = []
-                    r = self.run(compute, system)
-                    if system is not None:
-                        n, bad = self.verify(system, template)
-                        verified[name] += n
-                        mismatches += bad
-                        r["verified"] = n
-                        system.teardown()
-                        dist.barrier()
-                        if self.rank == 0:
-                            shutil.rmtree(run_dir, ignore_errors=True)
+                    r = self.run_system(compute, system, run_dir, template, verified, mismatches)
                     runs[compute][name].append(r)
                     base = runs[compute]["baseline"][-1]["wall_s"]
                     extra = ""
@@ -512,17 +525,8 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
     torch.set_num_threads(1)
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.logging_handlers"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    _quiet_dcp_process()
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=1800))
-    try:
-        q.put((rank, _Rank(rank, world, root, cfg, torch, dist, dcp).main()))
-    except BaseException as e:  # report, so that the launcher does not wait forever
-        import traceback
-
-        q.put((rank, {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}))
-    finally:
-        dist.destroy_process_group()
+    quiet_dcp_process()
+    serve_rank(rank, world, init, q, lambda: _Rank(rank, world, root, cfg, torch, dist, dcp).main())
 
 
 # --------------------------------------------------------------------------- figures
@@ -829,12 +833,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     compute = list(COMPUTE) if args.compute == "both" else [args.compute]
     out = run_bench(args.ranks, args.mb_per_rank, args.steps, args.every, args.reps, systems, compute,
                     args.compute_ms, args.dir, progress=not args.quiet, capped_mb_s=args.capped_mb_s)
-    print(format_table(out))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
-    if args.plot:
-        plot(out, args.plot)
+    write_outputs(out, format_table(out), args.json, args.plot, plot)
     if out["mismatches"]:
         print(f"nostall bench train: {len(out['mismatches'])} checkpoint(s) differ from the state at their save",
               file=sys.stderr)

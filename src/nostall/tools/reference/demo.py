@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
 
@@ -74,7 +74,7 @@ def plot(first: Dict[str, Any], second: Dict[str, Any], stop: int, path: str) ->
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _args(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nostall.tools.reference.demo", description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="demo-checkpoints", help="checkpoint root (emptied first)")
     p.add_argument("--loop", default="sft", choices=["sft", "sync_rl", "async_rl"])
@@ -93,25 +93,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not 0 < a.interval <= a.stop < a.steps or a.stop % a.interval == 0:
         p.error("need 0 < --interval <= --stop < --steps, --stop not a multiple of --interval "
                 "(so that some steps are trained by both runs)")
-    root = os.path.abspath(a.dir)
-    shutil.rmtree(root, ignore_errors=True)
-    shutil.rmtree(root + "-sync-reference", ignore_errors=True)
-    os.makedirs(root)
+    return a
+
+
+def _run_both(a: argparse.Namespace, root: str) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Run 1 (stopped after ``--stop``), then run 2 (resumed from its latest checkpoint): their histories."""
     h1, h2 = os.path.join(root, "run1.json"), os.path.join(root, "run2.json")
     common = ["--loop", a.loop, "--steps", str(a.steps), "--ckpt-dir", os.path.join(root, "ckpts"),
               "--ckpt-interval", str(a.interval), "--async-save", "--keep-last", "2", "--tp", "2",
               "--d-model", str(a.d_model), "--layers", str(a.layers), "--heads", str(a.heads),
               "--seq-len", str(a.seq_len)] + (["--overlap"] if a.overlap else [])
-    mode = "overlap" if a.overlap else "async"
     print(f"== run 1: train to step {a.stop}, saving every {a.interval} steps in the background, then stop")
     _torchrun(2, common + ["--stop-after", str(a.stop), "--measure-sync-save", "--history", h1], a.timeout)
     print("== run 2: new processes, fresh weights, resume from the latest checkpoint")
     _torchrun(2, common + ["--resume", "latest", "--history", h2], a.timeout)
+    return _load(h1), _load(h2)
 
-    first, second = _load(h1), _load(h2)
-    resumed = second["resumed_from"]
+
+def _compare_losses(first: Dict[str, Any], second: Dict[str, Any]) -> bool:
+    """Print the losses of the steps both runs trained; whether they are identical."""
     both = [s for s in sorted(second["losses"]) if s in first["losses"]]
-    print(f"\n== run 2 resumed from step {resumed}; steps {both[0]}-{both[-1]} were trained by both runs:")
+    print(f"\n== run 2 resumed from step {second['resumed_from']}; steps {both[0]}-{both[-1]} were trained by "
+          "both runs:")
     same = True
     for s in both:
         eq = first["losses"][s] == second["losses"][s]
@@ -121,6 +124,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     curve = {**first["losses"], **second["losses"]}
     marks = " ".join(f"{s}:{curve[s]:.3f}" for s in sorted(curve) if s % 4 == 0 or s == max(curve))
     print(f"   loss curve: {marks}")
+    return same
+
+
+def _print_stalls(first: Dict[str, Any], second: Dict[str, Any], mode: str) -> None:
     print("\n== what each save cost rank 0 (training blocked):")
     for run, h in (("run 1", first), ("run 2", second)):
         for rec in h["saves"]:
@@ -130,6 +137,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     median = async_stalls[len(async_stalls) // 2]
     print(f"   a synchronous save of the same state: {sync * 1e3:8.1f} ms "
           f"({mode} median {median * 1e3:.1f} ms, {sync / median:.1f}x less)")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = _args(argv)
+    root = os.path.abspath(a.dir)
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(root + "-sync-reference", ignore_errors=True)
+    os.makedirs(root)
+    first, second = _run_both(a, root)
+    same = _compare_losses(first, second)
+    _print_stalls(first, second, "overlap" if a.overlap else "async")
     if a.plot:
         plot(first, second, a.stop, a.plot)
         print(f"   plot: {a.plot}")
