@@ -140,15 +140,77 @@ def _in_files(addrs: List[int]) -> bool:
     return False
 
 
-def _torch_or_file_memory(dest: torch.Tensor, last: int) -> bool:
-    """Whether a CPU tensor's memory is provably for writing into: torch's allocator made it (its storage
-    is resizable, or pinned), or a file is mapped there (see :func:`_in_files`).
+_CPU_DELETER: Optional[Tuple[int, int]] = None  # see _cpu_deleter
+_CPU_DELETER_PROBED = False
 
-    A storage over someone else's memory (``torch.frombuffer``, ``torch.from_numpy``, DLPack) may be an
-    immutable Python object, a ``bytes`` or a read-only numpy array, whose pages are writable all the
-    same: torch only warns when such a tensor is made, and would write into it.
+
+def _storage_words(st: torch.UntypedStorage, n: int) -> Tuple[int, ...]:
+    """The first ``n`` machine words of a storage's C++ object (``c10::StorageImpl``, at ``st._cdata``)."""
+    return tuple((ctypes.c_size_t * n).from_address(st._cdata))
+
+
+def _cpu_deleter() -> Optional[Tuple[int, int]]:
+    """Where a storage's C++ object holds the function that frees its memory, and that of torch's CPU allocator:
+    ``(word index, function address)``, or None where this torch's layout is not the one expected.
+
+    No public API tells whose memory a storage is, so this is read from ``c10::StorageImpl``: its
+    ``DataPtr`` is the data pointer, then its context and deleter (in the order the C++ library lays out
+    a ``unique_ptr``); torch's CPU allocator gives the data pointer as the context. The place is found
+    once, by comparing two storages of ``torch.empty`` (same deleter, context = data) with one of
+    ``torch.frombuffer`` (another deleter); anything unexpected gives None (and only the public checks
+    of :func:`_torch_or_file_memory` are made).
     """
-    if dest.untyped_storage().resizable() or _in_files([dest.data_ptr(), last]):
+    global _CPU_DELETER, _CPU_DELETER_PROBED
+    if _CPU_DELETER_PROBED:
+        return _CPU_DELETER
+    found = None
+    try:
+        own = [torch.empty(n, dtype=torch.uint8).untyped_storage() for n in (64, 1 << 16)]
+        other = torch.frombuffer(bytearray(64), dtype=torch.uint8).untyped_storage()
+        n = 8  # a StorageImpl is larger (vtable, refcounts, DataPtr, size, flags, allocator, ...)
+        ws = [_storage_words(x, n) for x in own + [other]]
+        for i in range(n - 2):
+            if all(w[i] == x.data_ptr() for w, x in zip(ws, own + [other])):
+                for d, c in ((i + 2, i + 1), (i + 1, i + 2)):
+                    if (all(w[c] == x.data_ptr() for w, x in zip(ws, own)) and ws[0][d] == ws[1][d]
+                            and ws[0][d] not in (0, ws[2][d]) and ws[2][d] != 0):
+                        found = (d, ws[0][d])
+                        break
+                break
+    except Exception:  # a torch without these attributes, or a storage that cannot be made here
+        found = None
+    _CPU_DELETER, _CPU_DELETER_PROBED = found, True
+    return found
+
+
+def _torch_or_file_memory(dest: torch.Tensor, last: int) -> bool:
+    """Whether a CPU tensor's memory is provably for writing into: torch's allocator made it, or a file is
+    mapped there (see :func:`_in_files`).
+
+    Torch's memory is told by its storage: a resizable storage is always torch's allocator's (storages
+    over other memory never are); a storage made not resizable since (``Tensor.numpy()``,
+    ``np.asarray(t)`` and so ``memoryview(t.numpy())`` mark it so for good, and ``torch.load`` makes its
+    storages so) is recognized by the function that frees its memory, torch's CPU allocator's (see
+    :func:`_cpu_deleter`); pinned memory is torch's pinned allocator's.
+
+    Still refused: memory torch was handed (``torch.frombuffer``, ``torch.from_numpy`` /
+    ``torch.as_tensor`` over an array, DLPack), writable or not. Such a storage may be an immutable
+    object, a ``bytes``, a read-only numpy array, an Arrow buffer or a JAX array, whose pages are writable
+    all the same (torch only warns when such a tensor is made), and the storage keeps its owner only in
+    C++: nothing tells a writable numpy array from a read-only one. Looking for a ``bytes`` object around
+    the memory would find one only where the tensor starts at its first byte (not for
+    ``frombuffer(b, offset=...)`` or ``np.frombuffer(b, offset=...)``), and the other immutable objects
+    have nothing to find, so a load refuses all memory not provably torch's or a file's. Where
+    :func:`_cpu_deleter` finds no layout, a storage made not resizable (``.numpy()``, ``torch.load``) is
+    refused too.
+    """
+    st = dest.untyped_storage()
+    if st.resizable():
+        return True
+    slot = _cpu_deleter()
+    if slot is not None and _storage_words(st, slot[0] + 1)[slot[0]] == slot[1]:
+        return True
+    if _in_files([dest.data_ptr(), last]):
         return True
     try:
         return bool(dest.is_pinned())  # torch's pinned allocator (its storages are not resizable)
@@ -182,8 +244,12 @@ def _check_dest(key: str, dest: torch.Tensor) -> None:
             raise CheckpointLoadError(
                 f"key {key!r}: the template's tensor is over memory that torch did not allocate and that maps no "
                 "file (torch.frombuffer, torch.from_numpy, DLPack): it may be an immutable object (bytes, a "
-                "read-only numpy array) that a load must not change, and nostall cannot tell; load into a tensor "
-                "of torch's own memory instead (e.g. its .clone(), then copy it back)"
+                "read-only numpy array) that a load must not change, and nostall cannot tell (not even for a "
+                "writable numpy array); load into a tensor of torch's own memory instead (e.g. its .clone(), "
+                "then copy it back)"
+                + ("" if _cpu_deleter() is not None else
+                   ". This torch's storages cannot be inspected, so a tensor of torch's memory that .numpy() or "
+                   "torch.load made not resizable is refused too")
             )
 
 

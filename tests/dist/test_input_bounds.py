@@ -7,10 +7,12 @@ previous checkpoint is still latest and loads) or nothing was written.
 
 from __future__ import annotations
 
+import io
 import os
 import pathlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -225,3 +227,88 @@ def test_a_load_into_torch_or_file_mapped_memory_works(saved, tmp_path):
     mapped = {"w": torch.from_file(str(f), shared=False, size=6, dtype=torch.float32)}
     nostall.load(mapped, saved)
     assert torch.equal(mapped["w"], want)
+
+
+def _digest(t: torch.Tensor) -> bytes:
+    """What nostall bench train's verification does with a loaded tensor: read it through numpy."""
+    return bytes(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def test_a_load_into_torch_memory_that_numpy_or_torch_load_made_not_resizable_works(saved):
+    """``Tensor.numpy()`` marks torch's storage not resizable for good, and ``torch.load`` makes its storages
+    so: still torch's memory. A template read through numpy after a load (the bench's verification) loads
+    again; so does a view of such a storage, and a state from ``torch.load``."""
+    want = torch.arange(6, dtype=torch.float32)
+    base = torch.zeros(2, 6)
+    tpl = {"w": base[1], "n": None}  # a view, as a DTensor's to_local() is
+    nostall.load(tpl, saved)
+    assert _digest(tpl["w"]) == _digest(want)
+    assert not base.untyped_storage().resizable()  # what made the load refuse it (bench train, rank 0 and 1)
+    base.zero_()
+    nostall.load(tpl, saved)
+    assert torch.equal(base[1], want) and torch.equal(base[0], torch.zeros(6))
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(6)}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert not loaded["w"].untyped_storage().resizable()
+    nostall.load(loaded, saved)
+    assert torch.equal(loaded["w"], want)
+
+
+def test_memory_torch_was_handed_is_refused_writable_or_not(saved):
+    """torch.frombuffer over bytes at an offset, a bytearray, from_numpy over a writable array: the storage does
+    not say whose memory it is nor whether it may be written, so each is refused, naming its key, unchanged."""
+    data = bytes(32)
+    arr = np.zeros(6, dtype=np.float32)
+    ba = bytearray(24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        at_offset = torch.frombuffer(data, dtype=torch.float32, offset=8)
+    for t in (at_offset, torch.frombuffer(ba, dtype=torch.float32), torch.from_numpy(arr)):
+        with pytest.raises(nostall.CheckpointLoadError, match="'w'.*clone"):
+            nostall.load({"w": t, "n": None}, saved)
+    assert data == bytes(32) and not arr.any() and ba == bytearray(24)
+
+
+def _bench_like_load(rank, world, root):
+    """nostall bench train's flow: Adam moments and parameters as DTensor Shard(0) views, saved; a template of
+    DTensor.from_local(zeros_like(local)); each load's result read through numpy, then loaded again."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(rank)
+    p = torch.randn((5, 8), generator=g)
+    p.grad = torch.randn((5, 8), generator=g)
+    opt = torch.optim.Adam([p], foreach=False)
+    opt.step()
+
+    def view(t):
+        return DTensor.from_local(t, mesh, [Shard(0)], shape=torch.Size((5 * world, 8)), stride=(8, 1))
+
+    state = {"model": {"p": view(p)}, "optim": {"p": {k: view(opt.state[p][k]) for k in ("exp_avg", "exp_avg_sq")}}}
+    nostall.save(state, root)
+
+    def zero(v):
+        if isinstance(v, dict):
+            return {k: zero(x) for k, x in v.items()}
+        return DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, shape=v.shape,
+                                  stride=v.stride())
+
+    tpl = zero(state)
+    locals_ = [tpl["model"]["p"], tpl["optim"]["p"]["exp_avg"], tpl["optim"]["p"]["exp_avg_sq"]]
+    digests = []
+    for _ in range(2):
+        for d in locals_:
+            d.to_local().zero_()
+        nostall.load(tpl, root)
+        digests.append([_digest(d.to_local()) for d in locals_])
+    want = [_digest(t) for t in (p, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])]
+    return digests == [want, want], tpl["model"]["p"].to_local().untyped_storage().resizable()
+
+
+def test_a_bench_like_dtensor_template_read_through_numpy_loads_again(pool2, tmp_path):
+    out = pool2.run(_bench_like_load, str(tmp_path / "ckpt"))
+    assert out[0] == out[1] == (True, False)  # equal both times; the storage was not resizable for the 2nd load
