@@ -1,7 +1,9 @@
 # nostall developer entry points.
 #   make venv   - create .venv (CPU torch pinned first, then the package in editable mode)
 #   make demo   - the main job: torchrun trainer on 2 CPU ranks, async checkpoints, stop, resume (DEMO_ARGS=...)
-#   make test   - ruff and mypy on src/, then the test suite (PYTEST_ARGS="-k foo -x" to pass options)
+#   make test   - ruff and mypy on src/, then the whole test suite: tests/unit, tests/dist, tests/system and
+#                 src/nostall's doctests (PYTEST_ARGS="-k foo -x" to pass options; -m unit|dist|system picks a tier)
+#   make test-fast - the unit tier (tests/unit: one process, no ranks, no server) and the doctests, in about a minute
 #   make test-burn - `make test` with BURNERS CPU-bound processes beside it (default 2): no verdict may depend on speed
 #   make clean  - remove the venv, build artefacts and caches
 
@@ -16,7 +18,7 @@ VPY   := $(VENV)/bin/python
 PIP   := $(VPY) -m pip
 STAMP := $(VENV)/.stamp
 
-.PHONY: venv demo test test-burn clean
+.PHONY: venv demo test test-fast test-burn clean
 
 venv: $(STAMP)
 
@@ -36,6 +38,9 @@ test: venv
 	$(VPY) -m ruff check src
 	$(VPY) -m mypy
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+test-fast: venv
+	$(VPY) -m pytest tests/unit src/nostall $(PYTEST_ARGS)
 
 test-burn: venv
 	$(VPY) tests/burn.py $(BURNERS) -- $(MAKE) test

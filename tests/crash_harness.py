@@ -87,8 +87,10 @@ GATE_S = 60.0  # longest a job that finished its saves waits for the harness's k
 # from main() into a normal interpreter exit -- atexit, then finalizing every module, in a niced process
 # -- during which its daemon watchdog is frozen; and a trainer may die while its writer is still
 # importing, before any watchdog runs. The writer now exits by os._exit() on EOF/stop and its watchdog
-# starts before the imports (writer.py, background.py): the slowest measured was 0.10 s.
-WRITER_GONE_S = 0.5
+# starts before the imports (writer.py, background.py): the slowest measured was 0.10 s. The bound is
+# one only a hang breaks (a writer left running): the wait ends as soon as every writer is gone, and the
+# time it took is reported (writer_gone_s), not judged, so that no verdict depends on the machine's speed.
+WRITER_GONE_S = 30.0
 
 
 def point_label(role: str, point: str, async_save: bool) -> str:
@@ -693,7 +695,7 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
                 if code == 1:
                     with open(os.path.join(out_dir, f"error{r}.txt")) as f:
                         trial.problems.append(f"rank {r} failed unexpectedly: {f.read()[-1500:]}")
-            # a writer's watchdog looks every 0.1 s: no writer outlives its trainer by more than WRITER_GONE_S
+            # a writer's watchdog looks every 0.1 s: a writer still there WRITER_GONE_S after its trainer hangs
             until = t_trainers + WRITER_GONE_S
             while time.monotonic() < until and any(
                     v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):

@@ -13,11 +13,12 @@ reaches ``point`` during the save of ``step``. The crash-consistency tests
 set it in one rank's environment to stop a process at an exact phase of a
 save. The points, in the order a save reaches them:
 
-``planned``, ``staged`` (trainer, async), ``written`` (trainer, sync),
-``write.start``, ``write.done`` (whoever writes), ``upload.done``,
+``planned``, ``staged`` (trainer, async), ``write.start``, ``write.done`` (whoever writes), ``upload.done``,
 ``commit.ready``, ``commit.manifest``, ``commit.renamed``, ``retain.moved``
 (whoever commits: rank 0's writer for async saves, rank 0's trainer for sync
 ones).
+A malformed value is refused (``ValueError``) when a :class:`Faults` is made,
+that is where a manager (or a saver, or a storage root) starts: :func:`check_env`.
 
 This module does not import torch.
 """
@@ -28,17 +29,39 @@ import errno
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 ENV = "NOSTALL_TEST_CRASH"
 ROLE_ENV = "NOSTALL_PROCESS_ROLE"
+
+
+ROLES = ("trainer", "writer")
+POINTS = ("planned", "staged", "write.start", "write.done", "upload.done", "commit.ready", "commit.manifest",
+          "commit.renamed", "retain.moved")
+
+
+def _parse(spec: str) -> Tuple[str, str, str]:
+    """``<role>:<point>:<step>``, checked: a ``ValueError`` naming the variable otherwise."""
+    parts = spec.split(":")
+    if (len(parts) != 3 or parts[0] not in ROLES or parts[1] not in POINTS
+            or not (parts[2].isdigit() or parts[2] == "None")):
+        raise ValueError(f"{ENV}={spec!r} is not <role>:<point>:<step> (role one of {', '.join(ROLES)}; "
+                         f"point one of {', '.join(POINTS)}; step a non-negative integer or None)")
+    return parts[0], parts[1], parts[2]
+
+
+def check_env() -> None:
+    """Refuse a malformed ``NOSTALL_TEST_CRASH`` at once (where a manager or writer starts), not mid-save."""
+    spec = os.environ.get(ENV)
+    if spec:
+        _parse(spec)
 
 
 def crash_point(point: str, step: Optional[int]) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    role, name, at = spec.split(":")
+    role, name, at = _parse(spec)
     if name == point and str(step) == at and os.environ.get(ROLE_ENV, "trainer") == role:
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -60,6 +83,9 @@ class Faults:
     stage_delay_s: float = 0.0
     fail: Dict[str, int] = field(default_factory=dict)
     fail_times: Dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_env()  # a malformed NOSTALL_TEST_CRASH fails where a manager starts, not mid-save
 
     def check(self, op: str, path: str = "") -> None:
         """Raise the ``OSError`` armed for ``op``, if any."""

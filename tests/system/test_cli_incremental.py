@@ -323,7 +323,7 @@ def test_dcp_load_of_an_incremental_checkpoint(inc_root):
 def test_megatron_load_of_an_incremental_checkpoint(tmp_path):
     pytest.importorskip("megatron.core.dist_checkpointing.mapping", reason="megatron-core is not installed")
     from nostall.interop import megatron
-    from tests.test_interop_megatron import check_loaded, make_state
+    from tests.system.test_interop_megatron import check_loaded, make_state
 
     root = str(tmp_path / "run")
     with nostall.CheckpointManager(root, incremental=True) as mgr:

@@ -16,7 +16,7 @@ import torch
 import nostall
 from nostall.tools.cli import main as cli_main
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")  # tests/dist/ -> the repository
 
 
 def good_state() -> Dict[str, Any]:

@@ -140,7 +140,8 @@ def test_trainer_killed_mid_upload_leaves_the_previous_checkpoint_latest(s3, tmp
     import json
 
     out = json.loads((tmp_path / "outcome0.json").read_text())
-    assert out["error"] and "step 2" in out["error"] and out["waited"] < _CRASH_TIMEOUT * 1.5 + 2 and out["latest"] == 1
+    # bounded, not timed: up to 1.5 x its timeout, plus slack that only a hang (not a busy machine) runs past
+    assert out["error"] and "step 2" in out["error"] and out["waited"] < _CRASH_TIMEOUT * 1.5 + 30 and out["latest"] == 1
     mgr = nostall.CheckpointManager(root, read_only=True, storage_options=s3.storage_options)
     assert mgr.latest_step() == 1 and mgr.steps() == [1]
     w = torch.zeros(256, 256)
@@ -335,19 +336,14 @@ def test_transient_upload_failure_is_retried_and_a_lasting_one_fails_cleanly(s3,
         mgr.close()
     # an upload that never ends: an error naming the step, the file and the abandoned upload; nothing
     # committed, the step before still latest
-    mgr = nostall.CheckpointManager(root, async_save=True, storage_options=so, timeout=3,
+    mgr = nostall.CheckpointManager(root, async_save=True, storage_options=so, timeout=30,
                                     local_staging_dir=str(tmp_path / "b"))
     try:
-        # first a save that succeeds: it warms the new writer up. Its deadline (3 s from when it takes
-        # the job) covers setting up its object-storage client too, which a new writer, niced, has been
-        # seen to take longer than that for on a busy machine: then the next try finds it set up
-        for attempt in range(5):
-            mgr.save(3, {"w": torch.full((1 << 18,), 3.0)})
-            try:
-                mgr.finalize_pending_saves(timeout=120)
-                break
-            except nostall.CheckpointSaveError as e:
-                assert attempt < 4 and "abandoned" in str(e), e
+        # first a save that succeeds, once: it warms the new writer up. Its deadline (30 s from when it
+        # takes the job) covers setting up its object-storage client too, which a new writer, niced,
+        # has been seen to take seconds for on a busy machine: only a hang runs past 30 s
+        mgr.save(3, {"w": torch.full((1 << 18,), 3.0)})
+        mgr.finalize_pending_saves(timeout=120)
         proxy.hang(True)
         mgr.save(4, {"w": torch.full((1 << 18,), 4.0)})
         # the writer abandons the stuck upload at its deadline and reports it. Waiting longer than

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'nost
 
 from nostall.integrations import CheckpointingMixin  # noqa: E402
 from nostall.integrations.ray import Worker, WorkerDispatch  # noqa: E402
-from tests.test_reference import N, _cfg  # noqa: E402
+from tests.system.test_reference import N, _cfg  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -106,7 +106,7 @@ def test_errors_name_what_is_wrong(tmp_path):
         assert s.latest_step(str(tmp_path)) == 1  # nothing already saved was lost
 
 
-def test_overlap_attaches_the_optimizer_and_copies_buffers_before_returning(tmp_path):
+def test_overlap_attaches_the_optimizer_and_copies_buffers_before_returning(tmp_path, staging_gate):
     """With overlap, the next forward (BatchNorm statistics) and step (weights) change nothing saved."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 64), torch.nn.BatchNorm1d(64), torch.nn.Linear(64, 3))
@@ -116,9 +116,10 @@ def test_overlap_attaches_the_optimizer_and_copies_buffers_before_returning(tmp_
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     with Strategy(async_save=True, overlap=True) as s:
         mgr = s.manager(str(tmp_path))
-        mgr._faults.stage_delay_s = 0.3  # the copy is still running when training goes on
+        mgr._faults.stage_delay_s = 1.0  # the copy is held (the gate) while training goes on
         h = s.save_checkpoint(str(tmp_path), 1, model, opt)
         model(torch.randn(8, 6)).sum().backward()  # forward changes running_mean/var in place
+        staging_gate.release()
         opt.step()  # waits for the copy (attached), then changes the weights
         assert h.result().staged_wait_s > 0
         assert len(opt._optimizer_step_pre_hooks) == 1

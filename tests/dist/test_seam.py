@@ -126,6 +126,8 @@ def test_seam_saves_per_step_dirs_marks_on_commit_and_resumes_bit_exactly(tmp_pa
     async_save = True
     # trains 8 steps, saving after steps 2, 4 and 6: steps 7 and 8 are the uninterrupted reference
     full = run_ranks(2, _train_and_save, run, async_save, 8, 2, -1, 6)
+    # no save may have failed: an exception stored under error@<step> is a failure, not a detail
+    assert [[k for k in o[0] if str(k).startswith("error@")] for o in full] == [[], []], [o[0] for o in full]
     # retention in the commit callback kept only the newest; the marker names it
     assert sorted(os.listdir(run)) == ["global_step_6", MARKER]
     assert open(os.path.join(run, MARKER)).read() == "6"

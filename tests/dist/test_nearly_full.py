@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from tests.test_faults import _save_outcome as _outcome
-from tests.test_faults import small_fs  # noqa: F401  (the 6 MiB tmpfs fixture)
+from tests.dist.test_faults import _save_outcome as _outcome
+from tests.dist.test_faults import small_fs  # noqa: F401  (the 6 MiB tmpfs fixture)
 
 PAGE = 4096
 

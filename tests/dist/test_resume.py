@@ -59,8 +59,8 @@ def resumed(request, rank_pools, tmp_path_factory):
     then an asynchronous one's. Then one set of fresh interpreters per world size (a fresh process
     group; other weights, other RNG seeds, fresh optimizer and scheduler) resumes every kind of that
     size from each of its roots in turn, each time into a fresh model; none of them ran a reference.
-    Should that set fail, each kind is resumed again in fresh processes of its own, so that each test
-    reports its own kind's failure.
+    Should that set fail, every kind of it fails with that first failure; each kind is then resumed
+    again in fresh processes of its own only to add, to that failure, whether it fails alone too.
     """
     kinds = [k for k in H.KINDS if any(getattr(item, "originalname", None) == "test_resume_equals_uninterrupted"
                                        and item.callspec.params["kind"] == k for item in request.session.items)]
@@ -82,13 +82,17 @@ def resumed(request, rank_pools, tmp_path_factory):
             res = run_ranks(world, H.resume_kinds_job, plans, timeout=JOB_TIMEOUT)
             for i, k in enumerate(group):
                 out[k] = (roots[k], refs[k], [res[rank][i] for rank in range(world)])
-        except AssertionError:
+        except AssertionError as first:
+            # the combined run's failure is kept: every kind of the set fails with it; each kind is
+            # rerun alone only to say, beside it, whether it also fails alone (and how)
             for k, k_roots in plans:
                 try:
-                    res = run_ranks(world, H.resume_each_job, k, k_roots, timeout=JOB_TIMEOUT)
-                    out[k] = (roots[k], refs[k], res)
+                    run_ranks(world, H.resume_each_job, k, k_roots, timeout=JOB_TIMEOUT)
+                    alone = "alone, this kind resumed without an error"
                 except AssertionError as e:
-                    out[k] = e
+                    alone = f"alone, this kind failed too: {e}"
+                out[k] = AssertionError(f"resuming kinds {group} together in one set of processes failed: "
+                                        f"{first}\n({alone})")
     return out
 
 

@@ -1,7 +1,8 @@
 """Overlapped staging (the copy runs while training goes on) and the host-memory budget (chunked staging).
 
-The copy is slowed down on purpose (``Saver.test_stage_delay_s``) so that the
-optimizer step really comes before the copy would have finished.
+The copy is held on purpose (``_faults.stage_delay_s`` under the ``staging_gate``
+fixture, tests/conftest.py) until the test releases it, so that the optimizer step
+really comes before the copy is done, whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ def _train_step(net, opt):
     opt.step()
 
 
-def test_optimizer_step_right_after_an_overlapped_save_waits_for_the_copy(tmp_path):
+def test_optimizer_step_right_after_an_overlapped_save_waits_for_the_copy(tmp_path, staging_gate):
     net, opt = _model()
     mgr = nostall.CheckpointManager(tmp_path / "run", async_save=True, overlap=True, block_size=BLOCK)
+    opt.register_step_pre_hook(lambda *_: staging_gate.release())  # runs first: the copy starts as step() does
     mgr.attach(opt)
-    mgr._faults.stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 1.0  # held by the gate
     state = _state(net, opt)
     at_save = _snapshot(state)
     h = mgr.save(1, state, stage_now="model/1.")  # BatchNorm's buffers change in the next forward
@@ -95,13 +97,14 @@ def test_optimizer_step_right_after_an_overlapped_save_waits_for_the_copy(tmp_pa
     assert overlapped == _sync_copy(tmp_path / "sync", at_save)  # byte-identical to a sync save of that state
 
 
-def test_without_the_hook_the_copy_would_see_the_step(tmp_path):
+def test_without_the_hook_the_copy_would_see_the_step(tmp_path, staging_gate):
     """The hazard the hook removes is real: unattached, a mutation during the copy lands in the checkpoint."""
     w = torch.zeros(256, 256)
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, overlap=True, block_size=BLOCK)
-    mgr._faults.stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 1.0  # held by the gate
     h = mgr.save(1, {"w": w})
     w.add_(1.0)  # no wait_until_staged(): breaks the contract
+    staging_gate.release()
     h.result()
     got = torch.full_like(w, -1.0)
     mgr.load({"w": got}, 1)
@@ -109,12 +112,13 @@ def test_without_the_hook_the_copy_would_see_the_step(tmp_path):
     assert torch.equal(got, torch.ones_like(w))
 
 
-def test_stage_now_copies_the_selected_keys_before_save_returns(tmp_path):
+def test_stage_now_copies_the_selected_keys_before_save_returns(tmp_path, staging_gate):
     w, running = torch.zeros(1000), torch.zeros(1000)
     mgr = nostall.CheckpointManager(tmp_path, async_save=True, overlap=True, block_size=BLOCK)
-    mgr._faults.stage_delay_s = 0.3
+    mgr._faults.stage_delay_s = 1.0  # held by the gate
     mgr.save(1, {"bn": {"running_mean": running}, "w": w}, stage_now=lambda key: key.startswith("bn/"))
-    running.add_(5.0)  # "forward" changes it before the optimizer step
+    running.add_(5.0)  # "forward" changes it before the optimizer step, while the rest is not copied yet
+    staging_gate.release()
     mgr.wait_until_staged()
     w.add_(1.0)
     got = {"bn": {"running_mean": torch.ones(1000)}, "w": torch.ones(1000)}
