@@ -273,3 +273,27 @@ def test_s3_retention_deletes_only_listed_files_and_trusts_only_proven_retired_m
     got = nostall.load({"frozen": torch.zeros(256, 64), "w": torch.zeros(16), "step": 0}, f"{url}/step_3",
                        storage_options=so)
     assert torch.equal(got["w"], _state(3)["w"]) and torch.equal(got["frozen"], _state(3)["frozen"])
+
+
+def test_a_file_named_like_a_proof_that_proves_nothing_stays(tmp_path):
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root)) as mgr:
+        mgr.save(1, _state(1))
+    mark = root / ".tmp" / f"retired-{'ab' * 16}.nostall"
+    mark.write_text("the user's notes, not a proof\n")
+    nostall.CheckpointManager(str(root)).close()  # a claim drops only proofs of nothing
+    assert mark.read_text() == "the user's notes, not a proof\n"
+
+
+def test_resaving_a_retired_incremental_step_never_references_its_own_directory(tmp_path):
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root), keep_last=2, incremental=True) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, _state(s))  # step 1 retired: 2 and 3 read its frozen piece
+        mgr.save(1, _state(9))  # training resumed from an older point saves step 1 again
+        assert mgr.steps() == [1, 2, 3]
+    m = json.loads((root / "step_1" / "manifest.json").read_bytes())
+    assert not any(r.startswith("step_1/") for r in m.get("references", {}))
+    _loads_as(str(root / "step_1"), _state(9))
+    for s in (2, 3):
+        _loads_as(str(root / f"step_{s}"), _state(s))

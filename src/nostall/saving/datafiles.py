@@ -127,9 +127,11 @@ class Base:
     _idents: Dict[str, Optional[str]] = field(default_factory=dict)  # this job's look at each file
     _buf: Optional[memoryview] = None
 
-    def for_job(self, store: Readback, verified: Verified) -> "Base":
-        """This base for one job, showing what it reuses intact through ``store``."""
-        return Base(self.pieces, self.files, store, verified)
+    def for_job(self, store: Readback, verified: Verified, exclude: str = "") -> "Base":
+        """This base for one job, showing what it reuses intact through ``store``; files whose name starts
+        with ``exclude`` are not offered."""
+        files = {n: f for n, f in self.files.items() if not (exclude and n.startswith(exclude))}
+        return Base(self.pieces, files, store, verified)
 
     def intact(self, p: Placed) -> bool:
         """Whether the stored bytes of ``p`` are what was written there (see the class docstring)."""
@@ -194,7 +196,9 @@ class History:
 
     def base_for(self, job: SaveJob) -> Optional[Base]:
         if job.incremental and job.base and job.base == self.save_id:
-            return self.base.for_job(job.dest.root, self.verified)  # what it reuses is shown intact first
+            # what it reuses is shown intact first; never a file of the directory this save replaces (a
+            # re-saved step): a checkpoint references only files of other checkpoints (docs/format.md)
+            return self.base.for_job(job.dest.root, self.verified, exclude=job.dest.name + "/")
         return None
 
     def committed(self, job: SaveJob, done_placed: Dict[PlannedPiece, Placed], files: Dict[str, FileRecord],

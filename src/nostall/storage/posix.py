@@ -12,6 +12,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import stat
@@ -622,14 +623,21 @@ class PosixRoot(Root):
 
     def _drop_stale_proof(self, rid: str) -> bool:
         """Delete the proof of a retired manifest that is no longer anywhere (collected, or never made);
-        True when the manifest is there (the proof is kept)."""
+        True when the manifest is there (the proof is kept). Only a file that reads as a proof of ``rid``
+        (``<rid> step_<N>``, or a prefix of one a crash cut short) is ever deleted: any other file of that
+        name is not nostall's and stays."""
         path = self._proof_path(rid)
         try:
-            name = storage.read_small_file(path, 512).decode("ascii", "replace").split()[1]
-        except (OSError, IndexError):
-            name = ""
-        if parse_step(name) is not None and lkind(os.path.join(self.path(name), f"{RETIRED_PREFIX}{rid}.json")):
-            return True
+            text = storage.read_small_file(path, 512).decode("ascii")
+        except (OSError, UnicodeDecodeError):
+            return False
+        m = re.fullmatch(rf"{rid} (step_[0-9]+)\n", text)
+        if m is not None and parse_step(m.group(1)) is not None:
+            if lkind(os.path.join(self.path(m.group(1)), f"{RETIRED_PREFIX}{rid}.json")):
+                return True
+        elif not (f"{rid} step_".startswith(text) or re.fullmatch(rf"{rid} step_[0-9]*", text)):
+            log.debug("%s does not read as nostall's proof: left alone", path)
+            return False
         os.unlink(path)
         return False
 
