@@ -1,7 +1,7 @@
 """Helpers shared by the interoperability modules.
 
 * keys: nostall keys <-> their path components, and nested templates from keys;
-* :class:`_Source`: reads any region of any tensor of a checkpoint, verifying
+* :class:`Source`: reads any region of any tensor of a checkpoint, verifying
   the checksum blocks it touches (the loader's own read path);
 * :func:`write_checkpoint`: one process writes a whole checkpoint (world size
   1) piece by piece, with the same format and commit rule as a save;
@@ -86,7 +86,7 @@ def nest(leaves: Dict[str, Any]) -> Dict[str, Any]:
 # --------------------------------------------------------------------------- reading
 
 
-class _Source:
+class Source:
     """An open checkpoint: read regions of its tensors, checksums verified.
 
     Reads go through the loader's planner and executor, so a region costs only
@@ -140,7 +140,7 @@ class _Source:
     def close(self) -> None:
         self.files.close()
 
-    def __enter__(self) -> "_Source":
+    def __enter__(self) -> "Source":
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -59,7 +59,7 @@ from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
 from nostall.loading.reader import read_side_file
 from nostall.core.model import numel
-from nostall.interop._common import Progress, ProgressFn, _Source, split_key
+from nostall.interop._common import Progress, ProgressFn, Source, split_key
 
 log = logging.getLogger("nostall.interop")
 
@@ -189,7 +189,7 @@ class _Item:
 class _Streamer:
     """Reads a tensor slab by slab within a memory budget, and writes each slab at its file offset."""
 
-    def __init__(self, src: _Source, memory_limit: int, progress: Progress) -> None:
+    def __init__(self, src: Source, memory_limit: int, progress: Progress) -> None:
         self.src = src
         self.limit = memory_limit
         self.progress = progress
@@ -343,7 +343,7 @@ def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequen
         raise ValueError(f"to must be 'safetensors' or 'torch', got {to!r}")
     if memory_limit <= 0 or max_shard_size <= 0:
         raise ValueError("memory_limit and max_shard_size must be positive")
-    source = _Source(src, storage_options=storage_options, verify=verify)
+    source = Source(src, storage_options=storage_options, verify=verify)
     try:
         items, tied = _select(source.manifest, src, keys, strip_prefix, separator, dtype)
         prog = Progress(f"export {src} -> {dst}", sum(i.nbytes for i in items), progress)

@@ -52,7 +52,7 @@ from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointLo
 from nostall.manager import CheckpointManager
 from nostall.core.model import ShardedTensor as NostallShardedTensor
 from nostall.core.model import check_json, escape_component, numel, to_json
-from nostall.interop._common import _Source, join_components, nest
+from nostall.interop._common import Source, join_components, nest
 
 log = logging.getLogger("nostall.interop")
 
@@ -444,7 +444,7 @@ def _region(dest: torch.Tensor, rel: Sequence[int], shape: Sequence[int]) -> tor
 
 
 class _Loader:
-    def __init__(self, src: _Source) -> None:
+    def __init__(self, src: Source) -> None:
         self.src = src
         meta = src.manifest.objects.get(META_KEY)
         self.meta: Optional[Dict[str, Any]] = meta if isinstance(meta, dict) else None
@@ -663,7 +663,7 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
         raise ValueError("nostall is the checkpoint strategy: leave sharded_strategy and common_strategy as None")
     mp = _mapping()
     path = _resolve(checkpoint_dir, step)
-    with _Source(path, storage_options=storage_options, verify=verify) as src:
+    with Source(path, storage_options=storage_options, verify=verify) as src:
         loader = _Loader(src)
         loaded = loader.value(sharded_state_dict, mp)
         common = loader.common()
