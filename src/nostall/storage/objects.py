@@ -25,8 +25,9 @@ from nostall.core.jobs import Destination, Done, Outcome
 from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.storage.root import (
     DATA_RE, LATEST, LATEST_MAX_BYTES, MANIFEST_PROOF_MAX_BYTES, MARK_SUFFIX, NONE, OURS_RE, RECORD_MAX_BYTES,
-    RECORD_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, done_name, listed, lkind, parse_latest,
-    parse_step, record, referenced_hint, retired_name, retired_proof, side_size_problem, step_name, tagged,
+    RECORD_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, collectable, done_name, listed, lkind,
+    parse_latest, parse_step, record, referenced_hint, retired_id, retired_name, retired_proof, side_size_problem,
+    step_name, tagged,
 )
 
 log = logging.getLogger("nostall")
@@ -462,23 +463,15 @@ class ObjectRoot(Root):
 
     def _collect_prefix(self, name: str, live: AbstractSet[str]) -> None:
         fs = self._fs()[0]
-        current = self.manifest(name)
-        keep = set(listed(current)) if current is not None else set()
-        for rname, m in self._retired(name):
-            left = False
-            for f in listed(m):
-                if f"{name}/{f}" in live:
-                    left = True
-                    continue
-                if f in keep:
-                    continue
+        for rname, files, done in collectable(name, self._retired(name), self.manifest(name), live):
+            for f in files:
                 try:
                     self._retry(f"delete {_join(self.url, name, f)}", functools.partial(fs.rm, self._key(name, f)))
                 except FileNotFoundError:
                     pass  # deleted already
-            if not left:
+            if done:
                 self._retry(f"delete {_join(self.url, name, rname)}", functools.partial(fs.rm, self._key(name, rname)))
-                proof = (TMP_DIR, f"retired-{rname[len(RETIRED_PREFIX):-len('.json')]}{MARK_SUFFIX}")
+                proof = (TMP_DIR, f"retired-{retired_id(rname)}{MARK_SUFFIX}")
                 try:
                     self._retry(f"delete {_join(self.url, *proof)}", functools.partial(fs.rm, self._key(*proof)))
                 except FileNotFoundError:

@@ -30,8 +30,8 @@ from nostall.errors import (
 from nostall.storage.root import (
     BESIDE_RE, LATEST, LATEST_MAX_BYTES, LOCK, MANIFEST_PROOF_MAX_BYTES, MARK_RE, MARK_SUFFIX, NONE, OURS_RE,
     RECORD_MAX_BYTES, RETIRED_MARK_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, done_name,
-    is_nostall_manifest, listed, lkind, maker_gone, mark_content, parse_latest, parse_step, record, referenced_hint,
-    retired_name, retired_proof, side_size_problem, step_name,
+    collectable, is_nostall_manifest, listed, lkind, maker_gone, mark_content, parse_latest, parse_step, record,
+    referenced_hint, retired_id, retired_name, retired_proof, side_size_problem, step_name,
 )
 
 log = logging.getLogger("nostall")
@@ -702,20 +702,13 @@ class PosixRoot(Root):
         reached without following any link; never one the checkpoint now there lists), then each retired
         manifest whose files are all gone and its proof, then the directory once it is empty."""
         d = self.path(name)
-        current = self.manifest(name)
-        keep = set(listed(current)) if current is not None else set()
-        for path, m in self._retired(name):
-            left = False
-            for f in listed(m):
-                if f"{name}/{f}" in live:
-                    left = True
-                elif f not in keep:
-                    storage.unlink_beneath(d, f)
-            if not left:
+        for path, files, done in collectable(name, self._retired(name), self.manifest(name), live):
+            for f in files:
+                storage.unlink_beneath(d, f)
+            if done:
                 os.unlink(path)
-                rid = os.path.basename(path)[len(RETIRED_PREFIX):-len(".json")]
                 try:
-                    os.unlink(self._proof_path(rid))
+                    os.unlink(self._proof_path(retired_id(os.path.basename(path))))
                 except FileNotFoundError:
                     pass
         if lkind(os.path.join(d, MANIFEST_NAME)) is None:

@@ -151,6 +151,28 @@ def listed(m: Manifest) -> List[str]:
     return list(m.files) + [f.file for f in m.side_files.values()]
 
 
+def retired_id(filename: str) -> str:
+    """``.retired-<id>.json`` -> ``<id>``."""
+    return filename[len(RETIRED_PREFIX):-len(".json")]
+
+
+def collectable(name: str, retired: List[Tuple[str, Manifest]], current: Optional[Manifest],
+                live: AbstractSet[str]) -> List[Tuple[str, List[str], bool]]:
+    """Retention's decision for the step directory ``name``, a pure function (the backends only delete).
+
+    For each proven retired manifest ``(where, manifest)``: the files it lists that may go now -- read by
+    no retained checkpoint (``live``, ``<checkpoint>/<file>``) and not listed by the checkpoint now there
+    (``current``, a re-saved step) -- and whether the retired manifest goes too (none of its files is read).
+    """
+    keep = set(listed(current)) if current is not None else set()
+    out = []
+    for where, m in retired:
+        files = listed(m)
+        out.append((where, [f for f in files if f"{name}/{f}" not in live and f not in keep],
+                    not any(f"{name}/{f}" in live for f in files)))
+    return out
+
+
 def step_name(step: int) -> str:
     return f"step_{step}"
 
