@@ -204,6 +204,16 @@ def _plan(m: Manifest) -> _Plan:
     return by_rank
 
 
+def _replaces(dst: str, root: Root, name: str, overwrite: bool) -> bool:
+    """Whether a checkpoint is at DST, to be replaced (refused unless ``overwrite``)."""
+    if not root.is_checkpoint(name):
+        return False
+    if not overwrite:
+        raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite (overwrite=True) to "
+                                  "replace it, or choose another destination")
+    return True
+
+
 def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
                        storage_options: Optional[Dict[str, Any]]) -> bool:
     """Refuse a DST that is not ours to write (see the module docstring); remove an empty directory.
@@ -213,10 +223,7 @@ def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
                                   "ckpt_copy/ or s3://bucket/prefix/step_100")
     fix = "choose another destination, or remove it first"
     if local_path(dst) is None:
-        if root.is_checkpoint(name):
-            if not overwrite:
-                raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite "
-                                          "(overwrite=True) to replace it, or choose another destination")
+        if _replaces(dst, root, name, overwrite):
             return True
         if root.entries(name):
             raise CheckpointSaveError(f"{dst} holds objects and is not a nostall checkpoint (no nostall "
@@ -232,10 +239,7 @@ def _check_destination(dst: str, root: Root, name: str, overwrite: bool,
         raise CheckpointSaveError(f"{dst} is a symbolic link: nostall never writes through one; {fix}")
     if not stat.S_ISDIR(mode):
         raise CheckpointSaveError(f"{dst} exists and is not a directory; {fix}")
-    if root.is_checkpoint(name):
-        if not overwrite:
-            raise CheckpointSaveError(f"{dst} is a nostall checkpoint already: pass --overwrite (overwrite=True) "
-                                      "to replace it, or choose another destination")
+    if _replaces(dst, root, name, overwrite):
         return True
     if os.listdir(dst):
         raise CheckpointSaveError(f"{dst} exists and is not a nostall checkpoint (no nostall manifest.json in "
