@@ -187,6 +187,7 @@ class _Server:
             self.conn.send(Msg(Op.PONG, size=os.getpid()))
 
     def lower_priority(self) -> None:
+        """Yield CPU and I/O to the trainer from now on (once: the writer is ready)."""
         if not self.lowered:
             _lower_priority()
             self.lowered = True
@@ -219,6 +220,7 @@ class _Server:
             step()
 
     def release_area(self) -> None:
+        """Unmap the staging area (before mapping a new one, or at exit)."""
         if self.view is not None:
             self.view.release()
             self.view = None
@@ -227,6 +229,7 @@ class _Server:
             self.area = None
 
     def close(self) -> None:
+        """Release the area and the channel, as far as a job cut short allows."""
         try:
             self.release_area()
         except BufferError:
