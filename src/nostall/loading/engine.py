@@ -2,7 +2,7 @@
 
 Every reader of tensor data goes through here: :func:`nostall.loading.reader.load_state` and
 ``check_checkpoint``, the DCP reader (:mod:`nostall.interop.dcp`), the conversions'
-``_Source`` (:mod:`nostall.interop._common`) and ``nostall copy`` (:mod:`nostall.interop.copy`).
+``Source`` (:mod:`nostall.interop._common`) and ``nostall copy`` (:mod:`nostall.interop.copy`).
 
 * :func:`open_files` gives the data-file source of a checkpoint (:class:`DataFiles`, over its
   :class:`~nostall.storage.root.Root`, whatever the storage);
