@@ -7,7 +7,7 @@ rank's model shard and a :class:`~nostall.integrations.Strategy`; a
 gathers the results (bounded waits). The actors form a ``torch.distributed``
 gloo group among themselves, so saves stay collective and parallel.
 
-Driver contract (what the seed's trainers do): call
+Driver contract (what SkyRL-style trainers do): call
 ``dispatch.finalize_pending_saves()`` at the end of training unconditionally,
 and ``dispatch.load_checkpoint`` (which finalizes first) for any load.
 

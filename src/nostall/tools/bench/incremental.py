@@ -65,7 +65,7 @@ SYSTEMS = ("full_async", "incremental_async", "full_sync", "incremental_sync")
 STATES = ("lora", "everything")
 LAYERS = 8
 COLS = 256  # columns of every tensor (float32)
-BYTES_GOAL = 1.1  # issue 19: bytes written per save <= 1.1 x the bytes that changed
+BYTES_GOAL = 1.1  # the goal: bytes written per save <= 1.1 x the bytes that changed
 PARTS = ("wait_s", "plan_s", "stage_s", "write_s", "commit_s")
 """SaveStats fields kept per save (the slowest rank's): where a save's time went."""
 STALL_TOLERANCE = 1.25  # "stall unchanged": incremental / full at most this (times are noisy; lower is no harm)

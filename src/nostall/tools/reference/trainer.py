@@ -77,7 +77,7 @@ def read_marker(ckpt_dir: str, storage_options: Optional[Dict[str, Any]] = None)
 
 @dataclass
 class TrainConfig:
-    """Knobs of a reference run (the checkpoint ones mirror the seed's trainers)."""
+    """Knobs of a reference run (the checkpoint ones mirror SkyRL's trainers)."""
 
     loop: str = "sft"
     steps: int = 40
