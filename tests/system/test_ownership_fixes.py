@@ -297,3 +297,18 @@ def test_resaving_a_retired_incremental_step_never_references_its_own_directory(
     _loads_as(str(root / "step_1"), _state(9))
     for s in (2, 3):
         _loads_as(str(root / f"step_{s}"), _state(s))
+
+
+def test_a_collection_cut_after_its_last_file_is_finished_at_the_next_claim(tmp_path):
+    """A crash between the last deletion in a retired step directory and its rmdir leaves it empty, with the
+    proof (deleted last): the next claim removes the directory; an empty one without a proof stays."""
+    root = tmp_path / "run"
+    with nostall.CheckpointManager(str(root)) as mgr:
+        mgr.save(1, _state(1))
+    rid = "cd" * 16
+    (root / "step_5").mkdir()
+    (root / ".tmp" / f"retired-{rid}.nostall").write_text(f"{rid} step_5\n")
+    (root / "step_6").mkdir()  # the user's
+    nostall.CheckpointManager(str(root)).close()
+    assert not (root / "step_5").exists() and not (root / ".tmp" / f"retired-{rid}.nostall").exists()
+    assert (root / "step_6").is_dir()

@@ -635,6 +635,8 @@ class PosixRoot(Root):
         if m is not None and parse_step(m.group(1)) is not None:
             if lkind(os.path.join(self.path(m.group(1)), f"{RETIRED_PREFIX}{rid}.json")):
                 return True
+            if stat.S_ISDIR(self._no_link(self.path(m.group(1))) or 0):
+                self._rmdir_retired(m.group(1))  # a collection cut short after its last file went
         elif not (f"{rid} step_".startswith(text) or re.fullmatch(rf"{rid} step_[0-9]*", text)):
             log.debug("%s does not read as nostall's proof: left alone", path)
             return False
@@ -700,17 +702,26 @@ class PosixRoot(Root):
     def _collect_dir(self, name: str, live: AbstractSet[str]) -> None:
         """Delete the files the retired manifests of ``name`` list that nothing in ``live`` reads (regular files
         reached without following any link; never one the checkpoint now there lists), then each retired
-        manifest whose files are all gone and its proof, then the directory once it is empty."""
+        manifest whose files are all gone, then the directory once it is empty, and only then the proofs: a
+        crash anywhere leaves a proof for what is left (the next claim finishes, :meth:`_drop_stale_proof`)."""
         d = self.path(name)
+        proofs = []
         for path, files, done in collectable(name, self._retired(name), self.manifest(name), live):
             for f in files:
                 storage.unlink_beneath(d, f)
             if done:
                 os.unlink(path)
-                try:
-                    os.unlink(self._proof_path(retired_id(os.path.basename(path))))
-                except FileNotFoundError:
-                    pass
+                proofs.append(self._proof_path(retired_id(os.path.basename(path))))
+        self._rmdir_retired(name)
+        for proof in proofs:
+            try:
+                os.unlink(proof)
+            except FileNotFoundError:
+                pass
+
+    def _rmdir_retired(self, name: str) -> None:
+        """Remove step directory ``name`` if nostall retired it and nothing is left in it (no manifest, empty)."""
+        d = self.path(name)
         if lkind(os.path.join(d, MANIFEST_NAME)) is None:
             try:
                 os.rmdir(d)
