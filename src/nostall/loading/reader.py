@@ -11,6 +11,7 @@ through the checkpoint's :class:`~nostall.storage.root.Root`.
 from __future__ import annotations
 
 import ctypes
+import functools
 import errno
 import logging
 import os
@@ -140,15 +141,12 @@ def _in_files(addrs: List[int]) -> bool:
     return False
 
 
-_CPU_DELETER: Optional[Tuple[int, int]] = None  # see _cpu_deleter
-_CPU_DELETER_PROBED = False
-
-
 def _storage_words(st: torch.UntypedStorage, n: int) -> Tuple[int, ...]:
     """The first ``n`` machine words of a storage's C++ object (``c10::StorageImpl``, at ``st._cdata``)."""
     return tuple((ctypes.c_size_t * n).from_address(st._cdata))
 
 
+@functools.cache  # the layout of this process's torch: found once
 def _cpu_deleter() -> Optional[Tuple[int, int]]:
     """Where a storage's C++ object holds the function that frees its memory, and that of torch's CPU allocator:
     ``(word index, function address)``, or None where this torch's layout is not the one expected.
@@ -160,9 +158,6 @@ def _cpu_deleter() -> Optional[Tuple[int, int]]:
     ``torch.frombuffer`` (another deleter); anything unexpected gives None (and only the public checks
     of :func:`_torch_or_file_memory` are made).
     """
-    global _CPU_DELETER, _CPU_DELETER_PROBED
-    if _CPU_DELETER_PROBED:
-        return _CPU_DELETER
     found = None
     try:
         own = [torch.empty(n, dtype=torch.uint8).untyped_storage() for n in (64, 1 << 16)]
@@ -179,7 +174,6 @@ def _cpu_deleter() -> Optional[Tuple[int, int]]:
                 break
     except Exception:  # a torch without these attributes, or a storage that cannot be made here
         found = None
-    _CPU_DELETER, _CPU_DELETER_PROBED = found, True
     return found
 
 
