@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence
 import pytest
 
 from nostall.storage.posix import PosixRoot
+from nostall.storage.root import RETIRED_RE, retired_proof
 from nostall.loading.reader import check_checkpoint
 from tests.netns_hosts import Host, HostNet
 
@@ -382,6 +383,19 @@ def _trial(net: HostNet, root: str, logs: str, k: int, rng: random.Random, victi
             "killed": killed, "survivor_exit_s": round(exit_s, 2), "survivor": alive.name}
 
 
+def _proven_retired(root: str, name: str) -> bool:
+    """Whether ``root/name`` holds a retired manifest whose proof mark in ``.tmp`` names it."""
+    for f in os.listdir(os.path.join(root, name)):
+        m = RETIRED_RE.match(f)
+        if m is not None:
+            proof = os.path.join(root, ".tmp", f"retired-{m.group(1)}.nostall")
+            if os.path.exists(proof):
+                with open(proof, "rb") as fh:
+                    if fh.read() == retired_proof(m.group(1), name):
+                        return True
+    return False
+
+
 @pytest.mark.timeout(max(600, 200 * HOSTKILL_TRIALS))
 def test_host_kill_mid_save_keeps_latest_and_survivors_exit(tmp_path, capsys):
     rng = random.Random(int(os.environ.get("NOSTALL_HOSTKILL_SEED", "20261201")))
@@ -400,10 +414,12 @@ def test_host_kill_mid_save_keeps_latest_and_survivors_exit(tmp_path, capsys):
             # the latest checkpoint is never lost, and it verifies
             assert before is None or after >= before, f"trial {k}: latest went back: {r}"
             assert check_checkpoint(os.path.join(root, f"step_{after}")).ok, r
-            # every visible step_N is committed (a crash never exposes a partial checkpoint)
+            # every visible step_N is committed (a crash never exposes a partial checkpoint), or is one
+            # retention retired and a kill cut short while deleting its files: proven, not listed
             for n in os.listdir(root):
-                if n.startswith("step_"):
-                    assert PosixRoot(root).is_checkpoint(n), (n, r)
+                if n.startswith("step_") and not PosixRoot(root).is_checkpoint(n):
+                    assert _proven_retired(root, n), (n, sorted(os.listdir(os.path.join(root, n))), r)
+                    assert int(n[len("step_"):]) not in PosixRoot(root).steps(), (n, r)
             # the job resumed from the checkpoint the previous trial left (the first one started fresh)
             assert r["resumed_from"] == ([] if before is None else [str(before)]), r
             # training went on across the host losses: the second save() of a job returns only once its
@@ -418,6 +434,9 @@ def test_host_kill_mid_save_keeps_latest_and_survivors_exit(tmp_path, capsys):
                                    "--ckpt-interval", "0", "--timeout", "60", "--history", hist], logs).check()
         final = _history(hist)
         assert final["resumed_from"] == latest and sorted(final["losses"]) == [latest + 1, latest + 2]
+        # the final job's claim finished every retention a kill cut short
+        assert all(PosixRoot(root).is_checkpoint(n) for n in os.listdir(root) if n.startswith("step_")), \
+            sorted(os.listdir(root))
         _assert_no_leftovers(net)
     figures = ", ".join(f"#{r['trial']}: latest {r['latest_before']}->{r['latest_after']}, "
                         f"host {r['killed_host']} killed with {r['in_flight_at_kill'] or 'no save'} in flight, "
