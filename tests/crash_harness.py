@@ -489,7 +489,7 @@ def _check_root(dest: Dest, trial: Trial, out_dir: Optional[str] = None) -> None
     import torch
 
     from nostall.core.format import Manifest
-    from nostall.loading.reader import check_checkpoint
+    from nostall.loading.verify import check_checkpoint
     from nostall.storage.root import step_name
 
     so = dest.storage_options

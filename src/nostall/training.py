@@ -41,7 +41,8 @@ import torch
 from nostall.errors import CheckpointLoadError, InvalidStateError
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.dtypes import torch_dtype
-from nostall.loading.reader import load_state, read_manifest
+from nostall.loading.manifests import read_manifest
+from nostall.loading.reader import load_state
 from nostall.core.model import PerRank, ShardedTensor, escape_component, is_dtensor
 from nostall.saving.saver import RankZeroOnly
 

@@ -184,7 +184,7 @@ def _three_tensors(root: str) -> dict:
 
 def _corrupt(root: str, key: str) -> None:
     """Flip one byte in the middle of ``key``'s bytes in its data file."""
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     p = read_manifest(root).tensors[key].pieces[0]
     path = os.path.join(root, p.file)

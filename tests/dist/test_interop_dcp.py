@@ -153,7 +153,7 @@ def test_dcp_import_to_nostall(tmp_path, pool2):
     assert len(m.tensors["model/w"].pieces) == 2  # DCP chunks kept as pieces
     assert m.world_size == 1
     assert nostall.CheckpointManager  # noqa: B018  (package imports)
-    from nostall.loading.reader import check_checkpoint
+    from nostall.loading.verify import check_checkpoint
 
     assert check_checkpoint(dst).ok
     tmpl = {

@@ -24,8 +24,9 @@ import torch
 
 import nostall
 from nostall.core import boxes as _boxes, format as fmt
-from nostall.loading import engine
-from nostall.loading import reader as loading
+from nostall.loading import sources
+from nostall.loading.sources import verify_window
+from nostall.loading.verify import check_checkpoint
 from nostall.storage import files as storage
 from nostall.tools.cli import main as cli_main
 
@@ -196,7 +197,7 @@ def test_check_checkpoint_with_a_fifo_data_file_reports_it(ckpt: Path) -> None:
     data = ckpt / "rank0.safetensors"
     data.unlink()
     os.mkfifo(data)
-    box = returns_without_hanging(lambda: loading.check_checkpoint(str(ckpt)), data)
+    box = returns_without_hanging(lambda: check_checkpoint(str(ckpt)), data)
     report = box.get("value")
     assert report is not None and not report.ok, box
     assert any("rank0.safetensors" in p and "FIFO" in p for p in report.problems), report.problems
@@ -251,7 +252,7 @@ def test_remote_read_small_reads_at_most_limit_plus_one(monkeypatch) -> None:
 _HWM_SCRIPT = r"""
 import json, sys
 import nostall
-from nostall.loading.reader import read_manifest
+from nostall.loading.manifests import read_manifest
 
 def status(field):
     for line in open("/proc/self/status"):
@@ -595,7 +596,7 @@ def test_an_int_too_long_for_json_is_refused_naming_its_key(tmp_path: Path) -> N
 
 def test_verify_window_is_a_whole_number_of_blocks() -> None:
     for bs in (8, 8000, 4 << 20, 3 * 2**20 + 8, (64 << 20) + 8, 1 << 30):
-        w = loading.verify_window(bs)
+        w = verify_window(bs)
         assert w % bs == 0 and w >= bs
 
 
@@ -616,13 +617,13 @@ def reblock(path: Path, block_size: int) -> None:
 @pytest.mark.parametrize("block_size", [8000, 3 * 2**10 + 8])
 def test_verify_with_a_block_size_that_does_not_divide_the_window(tmp_path: Path, monkeypatch,
                                                                   block_size: int) -> None:
-    monkeypatch.setattr(engine, "READ_CHUNK", 64 << 10)  # several windows in a small tensor
+    monkeypatch.setattr(sources, "READ_CHUNK", 64 << 10)  # several windows in a small tensor
     path = tmp_path / "c"
     w = torch.arange(100_000, dtype=torch.float32)  # 400 KB: about 6 windows
     nostall.save({"w": w}, str(path))
     reblock(path, block_size)
     assert torch.equal(nostall.load({"w": torch.zeros(100_000)}, str(path))["w"], w)
-    report = loading.check_checkpoint(str(path))
+    report = check_checkpoint(str(path))
     assert report.ok, report.problems
     # real damage is still found, in the right block
     p = manifest(path)["tensors"]["w"]["pieces"][0]
@@ -631,7 +632,7 @@ def test_verify_with_a_block_size_that_does_not_divide_the_window(tmp_path: Path
     raw = bytearray(f.read_bytes())
     raw[pos] ^= 0xFF
     f.write_bytes(bytes(raw))
-    report = loading.check_checkpoint(str(path))
+    report = check_checkpoint(str(path))
     assert len(report.problems) == 1, report.problems
     lo = p["byte_range"][0] + (300_001 // block_size) * block_size
     assert "in 1 of" in report.problems[0] and f"[{lo}, {lo + block_size})" in report.problems[0]
@@ -644,7 +645,7 @@ def test_verify_with_an_odd_block_size_over_the_real_window(tmp_path: Path) -> N
     nostall.save({"w": w}, str(path))
     del w
     reblock(path, 3 * 2**20 + 8)
-    report = loading.check_checkpoint(str(path))
+    report = check_checkpoint(str(path))
     assert report.ok, report.problems
     assert cli_main(["verify", str(path)]) == 0
 

@@ -724,7 +724,7 @@ def test_huge_declared_header_is_refused_before_reading(ckpt: Path, monkeypatch)
     asked = []
     real = storage.read_exact
     monkeypatch.setattr(storage, "read_exact", lambda fd, off, n, p, into=None: asked.append(n) or real(fd, off, n, p, into))
-    report = __import__("nostall.loading.reader", fromlist=["x"]).check_checkpoint(str(ckpt))
+    report = __import__("nostall.loading.verify", fromlist=["x"]).check_checkpoint(str(ckpt))
     assert any("header length" in p for p in report.problems)
     assert max(asked) < 1 << 21
 

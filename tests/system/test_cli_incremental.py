@@ -16,7 +16,7 @@ import nostall
 from nostall.tools.cli import main as cli_main
 from nostall.interop.copy import copy_checkpoint
 from nostall.core.format import MANIFEST_NAME, Manifest
-from nostall.loading.reader import read_manifest
+from nostall.loading.manifests import read_manifest
 
 FROZEN = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0))  # 256 KiB, never changes
 

@@ -19,7 +19,7 @@ import torch
 
 import nostall
 from nostall.errors import CheckpointError
-from nostall.loading.reader import check_checkpoint
+from nostall.loading.verify import check_checkpoint
 from tests.dist_harness import run_ranks
 
 # --------------------------------------------------------------------------- a LoRA-shaped state

@@ -41,7 +41,7 @@ import pytest
 
 from nostall.storage.posix import PosixRoot
 from nostall.storage.root import RETIRED_RE, retired_proof
-from nostall.loading.reader import check_checkpoint
+from nostall.loading.verify import check_checkpoint
 from tests.netns_hosts import Host, HostNet
 
 HOSTKILL_TRIALS = int(os.environ.get("NOSTALL_HOSTKILL_TRIALS", "2"))

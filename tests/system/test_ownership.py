@@ -90,7 +90,8 @@ import torch  # noqa: E402
 import nostall  # noqa: E402
 
 try:  # the layout of docs/architecture.md
-    from nostall.loading.reader import check_checkpoint, read_manifest, read_side_file  # noqa: E402
+    from nostall.loading.manifests import read_manifest, read_side_file  # noqa: E402
+    from nostall.loading.verify import check_checkpoint  # noqa: E402
 except ImportError:  # the flat layout before it
     from nostall.loading import check_checkpoint, read_manifest, read_side_file  # type: ignore  # noqa: E402
 from tests.crash_harness import (  # noqa: E402

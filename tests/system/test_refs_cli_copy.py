@@ -23,7 +23,8 @@ import nostall
 from nostall.tools.cli import main as cli_main
 from nostall.interop.copy import copy_checkpoint
 from nostall.core.format import MANIFEST_NAME
-from nostall.loading.reader import check_checkpoint, read_manifest
+from nostall.loading.manifests import read_manifest
+from nostall.loading.verify import check_checkpoint
 
 FROZEN = torch.randn(64, 64, generator=torch.Generator().manual_seed(24))  # 16 KiB, never changes
 

@@ -34,7 +34,7 @@ def uploaded(s3, tmp_path_factory):
 
 
 def test_load_from_s3_reads_only_the_needed_ranges(s3, uploaded, monkeypatch):
-    from nostall.loading.engine import DataFiles
+    from nostall.loading.sources import DataFiles
 
     fetched = []
     real = DataFiles.read
@@ -63,7 +63,7 @@ def test_s3_corruption_is_detected(s3, uploaded, tmp_path):
     try:
         with pytest.raises(nostall.CheckpointCorruptError, match="checksum mismatch"):
             nostall.load({"w": torch.zeros(256, 256)}, uploaded, storage_options=s3.storage_options)
-        from nostall.loading.reader import check_checkpoint
+        from nostall.loading.verify import check_checkpoint
 
         report = check_checkpoint(uploaded, s3.storage_options)
         assert len(report.problems) == 1 and "s3://ckpts/run/step_7/rank0.safetensors" in report.problems[0]

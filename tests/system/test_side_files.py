@@ -17,7 +17,8 @@ from nostall.storage import files as storage
 from nostall.tools.cli import main as cli_main
 from nostall.errors import CheckpointCorruptError, CheckpointSaveError, InvalidStateError
 from nostall.interop.export import export
-from nostall.loading.reader import check_checkpoint, read_manifest
+from nostall.loading.manifests import read_manifest
+from nostall.loading.verify import check_checkpoint
 
 CONFIG = {"model_type": "toy", "hidden": 8, "names": ["a", "b"]}
 CONFIG_BYTES = (json.dumps(CONFIG, indent=2, sort_keys=True) + "\n").encode()

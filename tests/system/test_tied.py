@@ -17,7 +17,7 @@ import nostall
 from nostall.loading import engine
 from nostall.errors import CheckpointCorruptError
 from nostall.interop.export import export
-from nostall.loading.reader import check_checkpoint
+from nostall.loading.verify import check_checkpoint
 from nostall.core.model import flatten
 
 VOCAB, DIM = 96, 24
@@ -190,7 +190,7 @@ def test_manifest_names_the_key_a_tied_key_is_saved_as(tmp_path):
 
 
 def test_tied_to_field_parsed_and_validated(tmp_path):
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     model = TiedNet(seed=5)
     path = str(tmp_path / "ck")

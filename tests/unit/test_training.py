@@ -33,7 +33,7 @@ def test_keys_and_fresh_optimizer_restore(tmp_path):
     _train(model, opt, sched)
     with nostall.CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(2, model=model, optimizer=opt, scheduler=sched, extra={"epoch": 3})
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     man = read_manifest(str(tmp_path / "step_2"))
     assert "model/0.weight" in man.tensors and "optimizer/state/0.weight/exp_avg" in man.tensors
@@ -103,7 +103,7 @@ def test_wrappers_are_looked_through(tmp_path):
     compiled = torch.compile(model)  # not run: only its wrapper's names matter
     with nostall.CheckpointManager(str(tmp_path)) as mgr:
         mgr.save(1, model=compiled, optimizer=opt)
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     assert "model/0.weight" in read_manifest(str(tmp_path / "step_1")).tensors
 
@@ -150,7 +150,7 @@ def test_a_multi_rank_launch_without_a_process_group_is_refused(tmp_path, monkey
 
 
 def test_errors_for_a_run_root_given_as_a_checkpoint_and_an_empty_optimizer_template(tmp_path):
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     root = str(tmp_path / "run")
     model, opt, sched = _objects()

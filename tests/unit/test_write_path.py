@@ -13,7 +13,7 @@ from nostall.storage import files as storage
 from nostall.core.tensorbuf import byte_view
 from nostall.saving.datafiles import Checksums
 from nostall.core.format import block_crcs
-from nostall.loading.reader import check_checkpoint
+from nostall.loading.verify import check_checkpoint
 from nostall.options import Options
 
 

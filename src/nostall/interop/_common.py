@@ -39,8 +39,9 @@ from nostall.core.format import (
     layout_file,
     piece_name,
 )
-from nostall.loading.engine import Read, Verifier, execute, in_file_order, open_files, plan_reads
-from nostall.loading.reader import read_manifest
+from nostall.loading.engine import Read, execute, in_file_order, plan_reads
+from nostall.loading.manifests import read_manifest
+from nostall.loading.sources import Verifier, open_files
 from nostall.core.dtypes import torch_dtype
 from nostall.core.model import escape_component, numel
 

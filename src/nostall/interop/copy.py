@@ -63,8 +63,8 @@ from nostall.core.format import (
     piece_name,
 )
 from nostall.core.jobs import Destination, FileJob, SaveJob, Written
-from nostall.loading.engine import DataFiles, open_files, verify_window
-from nostall.loading.reader import read_manifest, read_side_file
+from nostall.loading.manifests import read_manifest, read_side_file
+from nostall.loading.sources import DataFiles, open_files, verify_window
 from nostall.storage.files import FileWriter
 
 __all__ = ["CopyReport", "copy_checkpoint"]

@@ -72,8 +72,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from nostall.loading.engine import Read, Verifier, execute, open_files
-from nostall.loading.reader import read_manifest
+from nostall.loading.engine import Read, execute
+from nostall.loading.manifests import read_manifest
+from nostall.loading.sources import Verifier, open_files
 from nostall.core.model import check_json, numel, to_json, walk
 from nostall.storage.locate import local_path
 from nostall.interop._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint

@@ -57,7 +57,7 @@ from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.core.tensorbuf import byte_view
 from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
-from nostall.loading.reader import read_side_file
+from nostall.loading.manifests import read_side_file
 from nostall.core.model import numel
 from nostall.interop._common import Progress, ProgressFn, Source, split_key
 

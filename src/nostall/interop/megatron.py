@@ -674,7 +674,7 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
 def load_content_metadata(checkpoint_dir: Any, *, step: Optional[int] = None,
                           storage_options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The ``content_metadata`` given to :func:`save`, or None."""
-    from nostall.loading.reader import read_manifest
+    from nostall.loading.manifests import read_manifest
 
     m = read_manifest(_resolve(checkpoint_dir, step), storage_options)
     meta = m.objects.get(META_KEY)

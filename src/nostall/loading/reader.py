@@ -1,11 +1,12 @@
-"""Loading: fill a template state from a checkpoint, resharding as needed; verify a checkpoint.
+"""Loading: fill a template state from a checkpoint, resharding as needed.
 
 No collective is needed: every rank reads the manifest and, for each tensor of
 its template, the byte ranges of the saved pieces that intersect the region it
 holds. Reads are aligned to checksum blocks, so every byte used is verified.
 A piece needed whole lands straight in the destination tensor (no extra copy).
 The reads themselves are :mod:`nostall.loading.engine`'s; every file is read
-through the checkpoint's :class:`~nostall.storage.root.Root`.
+through the checkpoint's :class:`~nostall.storage.root.Root` (:mod:`nostall.loading.sources`).
+The manifest is :mod:`nostall.loading.manifests`'; ``nostall verify`` is :mod:`nostall.loading.verify`.
 """
 
 from __future__ import annotations
@@ -15,81 +16,22 @@ import functools
 import errno
 import logging
 import os
-import struct
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from nostall.core.dtypes import torch_dtype
-from nostall.core.format import (
-    MANIFEST_NAME,
-    MAX_HEADER_BYTES,
-    MAX_SIDE_FILE_BYTES,
-    Manifest,
-    PieceRecord,
-    SideFileRecord,
-    TensorRecord,
-    crc,
-    parse_file_header,
-)
+from nostall.core.format import Manifest, TensorRecord
 from nostall.core.model import PerRank, ShardedTensor, dtensor_box, is_dtensor, walk, walk_value
-from nostall.errors import CheckpointCorruptError, CheckpointError, CheckpointLoadError, CheckpointNotFoundError
+from nostall.errors import CheckpointLoadError
 from nostall.loading import engine
-from nostall.loading.engine import DataFiles, Read, Shape, verify_window
-from nostall.storage.locate import open_root, split_checkpoint
+from nostall.loading.engine import Read, Shape
+from nostall.loading.manifests import read_manifest
+from nostall.loading.sources import DataFiles, Verifier, open_files
 
-__all__ = ["VerifyReport", "check_checkpoint", "load_state", "read_manifest", "read_side_file",
-           "referenced_file_problems", "side_file_location", "verify_window"]
+__all__ = ["load_state"]
 
 log = logging.getLogger("nostall")
-
-
-def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
-    """The manifest of the committed checkpoint at ``path`` (a directory or an object-storage URL)."""
-    root, name = split_checkpoint(path, storage_options)
-    raw = root.load_manifest_bytes(name)
-    if raw is None:
-        raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options))
-    return Manifest.from_json_bytes(raw, root.path(f"{name}/{MANIFEST_NAME}"))
-
-
-def _not_a_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> str:
-    """Why ``path`` (no manifest) cannot be loaded: a run root (then what to pass), or not a checkpoint."""
-    try:
-        root = open_root(path, storage_options=storage_options)
-        steps = root.steps()
-        latest = root.latest_step()
-    except Exception:  # only a better message is at stake
-        steps, latest = [], None
-    if steps:
-        shown = ", ".join(str(s) for s in steps[-5:])
-        return (f"{path} is a run root (committed steps: {'..., ' if len(steps) > 5 else ''}{shown}), not a "
-                f"checkpoint: pass {path.rstrip('/')}/step_{latest} (its latest), or load the run root with "
-                "nostall.load(state, root) or CheckpointManager(root).load(...), which use its latest; "
-                "`nostall ls` lists the steps")
-    return f"{path} has no {MANIFEST_NAME}: it is not a committed checkpoint (an interrupted save?)"
-
-
-def referenced_file_problems(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]] = None) -> List[str]:
-    """One line, naming the file, for each file of an earlier checkpoint that ``m`` (the manifest of the
-    checkpoint at ``path``) reads and that is not there as listed: missing, not a regular file (or behind a
-    symbolic link), or of another size. An open and ``fstat`` (a ``stat`` on object storage) per referenced
-    file, no data read: the cheap check of ``nostall inspect`` and ``nostall ls``; ``check_checkpoint``
-    reads every byte. Errors that are not damage (object storage unreachable) are raised."""
-    if not m.references:
-        return []
-    files = engine.open_files(path, m, storage_options)
-    problems = []
-    try:
-        for name in sorted(m.references):
-            try:
-                files.check(name)
-            except CheckpointCorruptError as e:
-                problems.append(str(e))
-    finally:
-        files.close()
-    return problems
 
 
 def _writable(addr: int) -> bool:
@@ -296,7 +238,7 @@ def load_state(
     m = manifest if manifest is not None else read_manifest(path, storage_options)
     plan = _TemplatePlan(m, path, rank, world_size, per_rank)
     restored = walk(template, plan.visit)
-    files = engine.open_files(path, m, storage_options, timeout)
+    files = open_files(path, m, storage_options, timeout)
     try:
         _fill(engine.in_file_order(engine.unique_reads(plan.reads)), files, m, verify)
     finally:
@@ -369,7 +311,7 @@ class _TemplatePlan:
 
 def _fill(reads: List[Read], files: DataFiles, m: Manifest, verify: bool) -> None:
     """A load's second phase: perform ``reads`` (in file order), every byte verified before it returns."""
-    with engine.Verifier(verify) as checks, torch.no_grad():
+    with Verifier(verify) as checks, torch.no_grad():
         for r in reads:
             try:
                 engine.execute(r, files, m, checks)
@@ -386,161 +328,3 @@ def _fill(reads: List[Read], files: DataFiles, m: Manifest, verify: bool) -> Non
                     "a plain tensor of its own memory (e.g. .clone())"
                 ) from e
         checks.finish()
-
-
-@dataclass
-class VerifyReport:
-    """What :func:`check_checkpoint` found: every problem, not only the first."""
-
-    path: str
-    files: int
-    bytes: int
-    problems: List[str]
-    side_files: int = 0  # side files checked (see docs/format.md, Side files)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def check_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> VerifyReport:
-    """Re-read every byte of every data file, check every checksum and header; collect every problem.
-
-    A manifest that cannot be read or parsed raises (nothing else can be
-    checked without it); problems in data files are collected, one per file
-    that cannot be read and one per damaged piece (with its count of bad
-    blocks), and checking goes on with the next piece or file. Every side
-    file is checked too (a regular file, its size and crc32c), one problem
-    per damaged one.
-    """
-    m = read_manifest(path, storage_options)
-    problems: List[str] = []
-    total = 0
-    pieces = _pieces_by_file(m)
-    files = engine.open_files(path, m, storage_options)
-    try:
-        for name, rec in sorted(m.all_files().items()):
-            total += _check_file(files, name, rec.size, pieces.get(name, []), m.block_size, problems)
-    finally:
-        files.close()
-    for side in sorted(m.side_files.values(), key=lambda r: r.name):
-        try:
-            read_side_file(path, side, storage_options)
-        except (CheckpointError, OSError) as e:
-            problems.append(str(e))
-    return VerifyReport(path, len(m.all_files()), total, problems, len(m.side_files))
-
-
-def _pieces_by_file(m: Manifest) -> Dict[str, List[Tuple[TensorRecord, PieceRecord]]]:
-    """Every distinct piece of ``m`` (and the key that lists it), by data file, in file order."""
-    pieces: Dict[str, List[Tuple[TensorRecord, PieceRecord]]] = {}
-    seen = set()
-    recs = list(m.tensors.values()) + [t for r in m.per_rank for t in r.tensors.values()]
-    for rec in sorted(recs, key=lambda t: bool(t.tied_to)):  # a tied key's pieces are its target's: checked once
-        for p in rec.pieces:
-            if (p.file, p.start, p.end, p.crc32c) not in seen:
-                seen.add((p.file, p.start, p.end, p.crc32c))
-                pieces.setdefault(p.file, []).append((rec, p))
-    return {f: sorted(ps, key=lambda x: x[1].start) for f, ps in pieces.items()}
-
-
-def _check_file(files: DataFiles, name: str, size: int, pieces: List[Tuple[TensorRecord, PieceRecord]], bs: int,
-                problems: List[str]) -> int:
-    """Check the data file ``name`` (its header, then every block of ``pieces``) into ``problems``; the tensor
-    bytes checked."""
-    fpath = files.path(name)
-    try:
-        head = files.read(name, 0, min(size, 1 << 20))
-        header, data_start = _header(head, files, name, size)
-    except (CheckpointError, OSError) as e:
-        problems.append(str(e))
-        return 0
-    ranges = {}
-    for k, v in header.items():
-        if k != "__metadata__" and isinstance(v, dict):
-            offs = v.get("data_offsets")
-            if isinstance(offs, list) and len(offs) == 2 and all(isinstance(x, int) for x in offs):
-                ranges[(data_start + offs[0], data_start + offs[1])] = v
-    total = 0
-    for rec, p in pieces:
-        h = ranges.get((p.start, p.end))
-        shape = h.get("shape") if h is not None else None
-        if h is None or h.get("dtype") != rec.dtype or not isinstance(shape, list) or tuple(shape) != tuple(p.shape):
-            problems.append(
-                f"{fpath}: safetensors header does not match the manifest for key {rec.key!r} (it says "
-                f"{_header_entry(h)}, the manifest dtype {rec.dtype} shape {list(p.shape)}); the data "
-                "file is damaged or was replaced: restore it from a copy"
-            )
-        bad = _bad_blocks(files, p, rec, bs, problems)
-        if bad:
-            lo = p.start + bad[0] * bs
-            problems.append(
-                f"{fpath}: checksum mismatch in {len(bad)} of {len(p.crc32c)} block(s) of key {rec.key!r} "
-                f"(piece at offset {list(p.offset)}), the first at bytes [{lo}, {min(lo + bs, p.end)})"
-            )
-        total += p.nbytes
-    return total
-
-
-def side_file_location(path: str, name: str) -> str:
-    """Where the side file ``name`` of the checkpoint at ``path`` (a directory or URL) is."""
-    root, ckpt = split_checkpoint(path)
-    return root.side_location(ckpt, name)
-
-
-def read_side_file(path: str, rec: SideFileRecord, storage_options: Optional[Dict[str, Any]] = None) -> bytes:
-    """The content of the side file ``rec`` of the checkpoint at ``path``, checked as docs/format.md says.
-
-    A regular file reached through no symbolic link (nor FIFO, device...), of
-    the manifest's size and crc32c; at most :data:`~nostall.core.format.MAX_SIDE_FILE_BYTES`
-    bytes are ever read. Raises :class:`~nostall.CheckpointCorruptError` naming
-    the file when it is missing or damaged, :class:`~nostall.CheckpointError`
-    when it cannot be read.
-    """
-    root, ckpt = split_checkpoint(path, storage_options)
-    label = f" (side file {rec.name!r})" if rec.stored else ""
-    where = root.side_location(ckpt, rec.file) + label
-    if rec.size > MAX_SIDE_FILE_BYTES:
-        raise CheckpointCorruptError(
-            f"{where}: the manifest says this side file holds {rec.size} bytes, more than the "
-            f"{MAX_SIDE_FILE_BYTES} a side file may; the manifest is damaged: restore it or load another checkpoint"
-        )
-    data = root.read_side(ckpt, rec.file, rec.size, label)
-    if crc(data) != rec.crc32c:
-        raise CheckpointCorruptError(
-            f"{where}: side file checksum mismatch (crc32c {crc(data)}, the manifest says {rec.crc32c}): the "
-            "file is damaged or was replaced; restore it from a copy"
-        )
-    return data
-
-
-def _bad_blocks(files: DataFiles, p: PieceRecord, rec: TensorRecord, bs: int, problems: List[str]) -> List[int]:
-    bad: List[int] = []
-    window = verify_window(bs)  # a multiple of the block size: every window starts on a block boundary
-    for lo in range(0, p.nbytes, window):
-        n = min(window, p.nbytes - lo)
-        try:
-            buf = files.read(p.file, p.start + lo, n)
-        except (CheckpointError, OSError) as e:
-            problems.append(f"{e} (key {rec.key!r})")
-            return bad
-        for i in range(0, n, bs):
-            b = (lo + i) // bs
-            if crc(buf[i : i + bs]) != p.crc32c[b]:
-                bad.append(b)
-    return bad
-
-
-def _header_entry(h: Any) -> str:
-    if h is None:
-        return "no tensor at that byte range"
-    return f"dtype {str(h.get('dtype'))[:40]} shape {str(h.get('shape'))[:80]}"
-
-
-def _header(head: memoryview, files: DataFiles, name: str, size: int) -> Tuple[Dict[str, Any], int]:
-    raw = bytes(head)
-    if len(raw) >= 8:
-        (n,) = struct.unpack("<Q", raw[:8])
-        if 8 + n > len(raw) and n <= MAX_HEADER_BYTES and 8 + n <= size:
-            raw = bytes(files.read(name, 0, 8 + n))
-    return parse_file_header(raw, files.path(name))

@@ -158,7 +158,7 @@ def _options(args: argparse.Namespace) -> Optional[Dict[str, Any]]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from nostall.loading.reader import read_manifest, referenced_file_problems
+    from nostall.loading.manifests import read_manifest, referenced_file_problems
 
     so = _options(args)
     path = _resolve(args.path, so)
@@ -181,7 +181,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from nostall.loading.reader import check_checkpoint, read_manifest
+    from nostall.loading.manifests import read_manifest
+    from nostall.loading.verify import check_checkpoint
 
     so = _options(args)
     path = _resolve(args.path, so)
@@ -210,7 +211,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _entry(root: Root, name: str, step: Optional[int], so: Optional[Dict[str, Any]],
            latest: Optional[int]) -> Dict[str, Any]:
-    from nostall.loading.reader import read_manifest, referenced_file_problems
+    from nostall.loading.manifests import read_manifest, referenced_file_problems
 
     path = root.path(name)
     e: Dict[str, Any] = {"step": step, "path": path, "latest": step is not None and step == latest}

@@ -1,0 +1,135 @@
+"""Reading a checkpoint's data files and checking what was read, without torch.
+
+* :func:`open_files` gives the data-file source of a checkpoint (:class:`DataFiles`, over its
+  :class:`~nostall.storage.root.Root`, whatever the storage);
+* :class:`Verifier` checks blocks against their checksums (:func:`check_blocks`) in a thread
+  while the next bytes are read.
+
+The torch side of reading (planning reads into tensors and performing them) is
+:mod:`nostall.loading.engine`'s; ``check_checkpoint`` (:mod:`nostall.loading.verify`) and
+``nostall copy`` (:mod:`nostall.interop.copy`) read through here without torch.
+"""
+
+from __future__ import annotations
+
+import collections
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Deque, Dict, Optional
+
+from nostall.core.format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc
+from nostall.errors import CheckpointCorruptError
+from nostall.storage.locate import split_checkpoint
+from nostall.storage.root import Root, StoredFile
+
+READ_CHUNK = 64 << 20
+"""Bytes read at a time where a read is not straight into its destination."""
+
+
+def verify_window(bs: int) -> int:
+    """Bytes read at a time by ``check_checkpoint`` and ``nostall copy``: about :data:`READ_CHUNK`, a whole
+    number of blocks."""
+    return max(1, READ_CHUNK // bs) * bs
+
+
+class DataFiles:
+    """The data files of one checkpoint, read through its root: each opened on first use, checked against the
+    manifest's size, and kept open (a descriptor on a filesystem) until :meth:`close`.
+
+    Names are the manifest's: its own files, and ``<checkpoint>/<file>`` of an earlier checkpoint (incremental).
+    """
+
+    def __init__(self, root: Root, checkpoint: str, manifest: Manifest, timeout: Optional[float] = None) -> None:
+        self.root = root
+        self.checkpoint = checkpoint
+        self.sizes = {n: f.size for n, f in manifest.all_files().items()}
+        self.timeout = timeout
+        self.open: Dict[str, StoredFile] = {}
+
+    def path(self, name: str) -> str:
+        """Where the file ``name`` is (for messages)."""
+        return self.root.path(self.root.ref_of(self.checkpoint, name))
+
+    def check(self, name: str) -> StoredFile:
+        """The file ``name``, opened; raises :class:`~nostall.CheckpointCorruptError` naming it when it is not
+        there as listed (missing, not a regular file or behind a link, of another size)."""
+        f = self.open.get(name)
+        if f is None:
+            if "/" in name and name.split("/")[0] == self.checkpoint:
+                # (the manifest's rule refuses its own step; this is a directory renamed after its commit)
+                raise CheckpointCorruptError(
+                    f"{self.root.path(f'{self.checkpoint}/{MANIFEST_NAME}')}: referenced file {name!r} is in this "
+                    "checkpoint's own directory, not an earlier checkpoint's; the manifest is damaged: restore it "
+                    "or load another checkpoint")
+            f = self.root.open_file(self.checkpoint, name, self.sizes[name], self.timeout)
+            self.open[name] = f
+        return f
+
+    def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        """Exactly ``length`` bytes of ``name`` at ``offset`` (into ``into`` when given)."""
+        return self.check(name).read(offset, length, into)
+
+    def close(self) -> None:
+        for f in self.open.values():
+            f.close()
+        self.open.clear()
+
+
+def open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]] = None,
+               timeout: Optional[float] = None) -> DataFiles:
+    """The data-file source of the checkpoint at ``path`` (manifest ``m``); the caller closes it.
+
+    ``timeout``: object storage only, the hard bound of each ranged read (retries included).
+    """
+    root, name = split_checkpoint(path, storage_options)
+    return DataFiles(root, name, m, timeout)
+
+
+def check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str,
+                 bs: int) -> None:
+    """Raise :class:`~nostall.CheckpointCorruptError` at the first block of ``buf`` (block ``first_block`` of
+    ``piece`` onwards) whose checksum does not match."""
+    for i in range(0, len(buf), bs):
+        b = first_block + i // bs
+        if crc(buf[i : i + bs]) != piece.crc32c[b]:
+            lo = piece.start + b * bs
+            hi = min(lo + bs, piece.end)
+            raise CheckpointCorruptError(
+                f"{path}: checksum mismatch in bytes [{lo}, {hi}) (key {rec.key!r}, piece at "
+                f"offset {list(piece.offset)}): the file is corrupt"
+            )
+
+
+class Verifier:
+    """Checks blocks against their checksums in one thread while the next bytes are read.
+
+    At most ``depth`` buffers wait at a time (a buffer stays referenced until
+    checked). :meth:`finish` waits for every check and raises the first
+    mismatch; a load returns only after it. ``enabled=False`` checks nothing.
+    """
+
+    def __init__(self, enabled: bool, depth: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="nostall-verify") if enabled else None
+        self._pending: Deque["Future[None]"] = collections.deque()
+        self._depth = depth
+
+    def check(self, buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str,
+              bs: int) -> None:
+        if self._pool is None:
+            return
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(check_blocks, buf, first_block, piece, rec, path, bs))
+
+    def finish(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Verifier":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
