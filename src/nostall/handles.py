@@ -45,8 +45,10 @@ class SaveStats:
     collective planning), ``stage_s`` (copy into the staging area, async only),
     ``write_s`` (data files written and fsynced) and ``commit_s`` (waiting for
     the other ranks and the commit) split the work; ``total_s`` runs from the
-    call to the commit. ``bytes_written`` is this rank's share,
-    ``total_bytes`` the whole checkpoint's data files.
+    call to the commit. ``bytes_written`` is what this rank wrote (its data
+    files, side files included; an incremental save writes only the pieces
+    that changed), ``total_bytes`` the size of the whole checkpoint's data as
+    planned (what a load of it reads, reused pieces included).
 
     With overlapped staging (``overlap``), the copy ran after ``save()``
     returned: ``stage_s`` is its duration, ``staged_wait_s`` how long the
@@ -55,10 +57,20 @@ class SaveStats:
     how many pieces the state went through the area in (0: all at once);
     ``staging_bytes`` is the staging area's size (the host memory it held).
 
-    An asynchronous save's handle has stats as soon as ``save()`` returns:
-    what is known then (``stall_s``, ``wait_s``, ``plan_s``, ``stage_s``,
-    the bytes); ``write_s``, ``commit_s`` and ``total_s`` are None until the
-    save is committed (``committed``).
+    ``final`` says whether these figures are the save's last word. A
+    synchronous save's stats, and an asynchronous save's once it is committed
+    (``handle.result()`` returned, or in a done callback or ``on_commit``),
+    are final: every field is known and never changes again. An asynchronous
+    save's handle holds *provisional* stats from the moment ``save()``
+    returns until then (``final`` False): ``step``, ``rank``, ``world_size``,
+    ``async_save``, ``wait_s``, ``plan_s``, ``total_bytes``, ``plan_cached``,
+    ``overlap``, ``chunks`` and ``staging_bytes`` already have their final
+    values, and so do ``stall_s`` and ``stage_s`` unless ``overlap`` (the copy
+    and the wait for it are still to come); ``bytes_written``, ``write_s``,
+    ``commit_s`` and ``total_s`` are None (what is written is known only once
+    the writer has written it: an incremental save may reuse most pieces).
+    ``handle.stats`` is replaced by the final stats at the commit; a failed
+    save has none.
     """
 
     step: Optional[int]
@@ -72,23 +84,24 @@ class SaveStats:
     write_s: Optional[float]
     commit_s: Optional[float]
     total_s: Optional[float]
-    bytes_written: int
+    bytes_written: Optional[int]
     total_bytes: int
     plan_cached: bool
     overlap: bool = False
     staged_wait_s: float = 0.0
     chunks: int = 0
     staging_bytes: int = 0
+    final: bool = True
 
     @property
     def committed(self) -> bool:
-        """True once these are the stats of a committed save (all fields known)."""
-        return self.total_s is not None
+        """The same as ``final``: these are the stats of a committed save."""
+        return self.final
 
     @property
     def write_throughput(self) -> float:
-        """This rank's bytes per second of write time (0.0 until committed)."""
-        return self.bytes_written / self.write_s if self.write_s else 0.0
+        """This rank's bytes per second of write time (0.0 until final)."""
+        return self.bytes_written / self.write_s if self.bytes_written is not None and self.write_s else 0.0
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -302,9 +315,10 @@ class SaveHandle:
 
     @property
     def stats(self) -> Optional[SaveStats]:
-        """This rank's stats: complete once committed; for an asynchronous save still in
-        flight, what is known since ``save()`` returned (``stats.committed`` is False);
-        None for a save that failed."""
+        """This rank's stats: final once committed (``stats.final``, the same object a done
+        callback and ``result()`` see); for an asynchronous save still in flight, the
+        provisional figures known since ``save()`` returned (``stats.final`` is False, see
+        :class:`SaveStats` for which fields are known then); None for a save that failed."""
         return None if self._error is not None else self._stats
 
     def __repr__(self) -> str:

@@ -531,15 +531,15 @@ class Saver:
         return pending
 
     def staged_stats(self, pending: PendingSave) -> SaveStats:
-        """What is known of an asynchronous save when ``save()`` returns (write and commit still to come)."""
+        """The provisional stats of an asynchronous save when ``save()`` returns (``final`` False: what is
+        written, and the write and commit, are still to come)."""
         p = pending.prepared
         return SaveStats(
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
             stall_s=pending.stall_s, wait_s=pending.t_start - p.t0, plan_s=p.t_plan - pending.t_start,
-            stage_s=pending.stage_s, write_s=None, commit_s=None, total_s=None,
-            bytes_written=sum(f.size for f in p.plan.files_of(self.comm.rank)),
+            stage_s=pending.stage_s, write_s=None, commit_s=None, total_s=None, bytes_written=None,
             total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
-            overlap=pending.overlap, chunks=pending.chunks, staging_bytes=pending.staging_bytes,
+            overlap=pending.overlap, chunks=pending.chunks, staging_bytes=pending.staging_bytes, final=False,
         )
 
     def complete(self, pending: PendingSave, result: JobResult) -> SaveStats:
@@ -577,7 +577,7 @@ def _log_stats(s: SaveStats, final: str) -> None:
         "rank %d: %s step %s to %s: %.1f MB this rank, blocked %.3fs (plan %.3fs%s, stage %.3fs), "
         "write %.3fs, commit %.3fs",
         s.rank, "saved" if not s.async_save else "committed async save of", s.step, final,
-        s.bytes_written / 1e6, s.stall_s, s.plan_s, " cached" if s.plan_cached else "", s.stage_s,
+        (s.bytes_written or 0) / 1e6, s.stall_s, s.plan_s, " cached" if s.plan_cached else "", s.stage_s,
         s.write_s, s.commit_s,
     )
 
