@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -283,11 +282,3 @@ def write_checkpoint(dst: str, tensors: Sequence[TensorSource], objects: Dict[st
     save_solo(dst, solo_destination(root, name), manifest, jobs,
               write_files(lambda i, f: (memoryview(header), _parts(order, where_of, where, progress))))
     return read_manifest(os.fspath(dst))
-
-
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"512MiB"``, ``"100M"``, ``"4096"`` -> bytes (K, M, G, T are powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:[iI]?[bB])?\s*", str(text))
-    if m is None:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 5GB)")
-    return int(float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " "))))

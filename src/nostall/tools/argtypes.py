@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any, Dict
 
 
@@ -16,3 +17,11 @@ def storage_options_arg(text: str) -> Dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
     return value
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"512MiB"``, ``"100M"``, ``"4096"`` -> bytes (K, M, G, T are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:[iI]?[bB])?\s*", str(text))
+    if m is None:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 512MiB, 5GB)")
+    return int(float(m.group(1)) * (1 << (10 * " KMGT".index(m.group(2).upper() or " "))))

@@ -32,12 +32,12 @@ from typing import Any, Callable, Dict, List, Optional
 from nostall import __version__
 from nostall.storage.locate import local_path, open_root, resolve, split_checkpoint
 from nostall.storage.root import LATEST, Root, step_name
-from nostall.errors import CheckpointError
+from nostall.errors import CheckpointError, CheckpointNotFoundError
 from nostall.core.format import Manifest
-from nostall.tools.argtypes import storage_options_arg
+from nostall.tools.argtypes import parse_size, storage_options_arg
 
-# torch is imported by the commands that need it (nostall.loading.reader, the interop modules, the
-# bench), not here: `nostall --version` and `nostall -h` stay quick
+# torch is imported only by the commands that need it (convert, bench), not here: `nostall --version`,
+# `ls`, `inspect`, `verify` and `copy` run without it (tests/dist/test_cli_torch_free.py)
 
 
 def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optional[str]:
@@ -51,8 +51,33 @@ def _latest_file_root(path: str, so: Optional[Dict[str, Any]] = None) -> Optiona
 def _resolve(path: str, so: Optional[Dict[str, Any]] = None) -> str:
     """A checkpoint directory (or URL), a manager root, or a root's ``latest`` file: then the
     checkpoint its ``load()`` would use."""
-    root, name, _ = resolve(_latest_file_root(path, so) or path, storage_options=so)
+    try:
+        root, name, _ = resolve(_latest_file_root(path, so) or path, storage_options=so)
+    except CheckpointNotFoundError as e:
+        raise CheckpointNotFoundError(_why_not_found(path, so, e)) from e
     return root.path(name)
+
+
+def _why_not_found(path: str, so: Optional[Dict[str, Any]], err: CheckpointNotFoundError) -> str:
+    """Why ``path`` names no checkpoint: a step its run root does not hold (the steps it does hold
+    listed), nothing there at all (as ``ls`` says), or else ``err``'s own reason."""
+    try:
+        parent, _ = split_checkpoint(path, so)
+        steps, latest = parent.steps(), parent.latest_step()
+    except Exception:  # only a better message is at stake
+        steps, latest = [], None
+    if steps:
+        shown = ("..., " if len(steps) > 5 else "") + ", ".join(str(s) for s in steps[-5:])
+        return (f"{path}: no committed checkpoint there; {parent.url} is a run root holding steps {shown} "
+                f"(latest {latest}): pass {parent.path(step_name(steps[-1]))}, or the run root for its latest "
+                f"('nostall ls {parent.url}' lists them)")
+    try:
+        open_root(path, storage_options=so).check_present()
+    except CheckpointError as missing:  # nothing at all there: say so, as `ls` does
+        return str(missing)
+    except Exception:  # only a better message is at stake
+        pass
+    return str(err)
 
 
 def _human(n: float) -> str:
@@ -255,6 +280,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{out['root']}: {len(entries)} committed checkpoint(s)"
           + (f", latest step {latest}" if latest is not None else ""))
+    # the manifest records no time: its file's modification time is the commit's (a copy that kept no
+    # times shows the copy's; the directory's own time would change with any file added or removed)
+    print(f"  {'checkpoint':<14} {'size':>11}  {'manifest mtime (UTC)':<20}  contents")
     for e in entries:
         size = _human(e["bytes"]) if e["bytes"] is not None else "?"
         name = f"step_{e['step']}" if e["step"] is not None else os.path.basename(e["path"].rstrip("/"))
@@ -305,7 +333,6 @@ class _ProgressLine:
 def _block_size_arg(text: str) -> int:
     """``--block-size``: a size (``65536``, ``64KiB``, ``4MiB``) that passes the one block-size
     rule, :func:`nostall.options.check_block_size`; anything else is a usage error (exit 2)."""
-    from nostall.interop._common import parse_size
     from nostall.options import check_block_size
 
     try:
@@ -351,7 +378,6 @@ def _import_dcp(args: argparse.Namespace, out: str, show: bool) -> Dict[str, int
 def _export(args: argparse.Namespace, src: str, dst_kind: str, so: Optional[Dict[str, Any]], memory_limit: int,
             show: bool) -> Dict[str, Any]:
     """``convert --to safetensors|torch``: export the nostall checkpoint ``src`` to DST; the report."""
-    from nostall.interop._common import parse_size
     from nostall.interop.export import export
 
     rep = _with_progress(show, "export", lambda p: export(
@@ -373,8 +399,6 @@ def _print_convert(args: argparse.Namespace, result: Dict[str, Any]) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from nostall.interop._common import parse_size
-
     so = _options(args)
     src_kind = args.from_
     dst_kind = args.to or ("nostall" if src_kind == "dcp" else "safetensors")
@@ -555,7 +579,9 @@ def _parser() -> argparse.ArgumentParser:
     pv.add_argument("--storage-options", type=storage_options_arg, default=None, help=so_help)
     pl = sub.add_parser("ls", help="list the committed checkpoints of a run root: steps, sizes, dates (exit "
                                    "status 1 if one is unreadable or broken: a file it reads is missing)",
-                        description="List the committed checkpoints of a run root: steps, sizes, dates, what an "
+                        description="List the committed checkpoints of a run root: steps, sizes, when each was "
+                                    "committed (its manifest file's modification time, UTC: a copy that kept no "
+                                    "times shows the copy's; 'modified' in --json), what an "
                                     "incremental one reads from earlier ones. A checkpoint whose manifest cannot be "
                                     "read is marked UNREADABLE, one that reads a file of an earlier checkpoint that "
                                     "is missing or of another size (a stat each, no data read) BROKEN, naming the "
