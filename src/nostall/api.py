@@ -40,7 +40,7 @@ def save(state: Any, path: str, *, process_group: Any = None, timeout: Union[flo
         comm.close()
 
 
-def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
+def load(state: Any, path: str, *, strict: bool = True, verify: bool = True, per_rank: str = "error",
          process_group: Any = None, storage_options: Optional[Dict[str, Any]] = None) -> Any:
     """Fill ``state`` from the checkpoint at ``path``; see CheckpointManager.load.
 
@@ -50,11 +50,19 @@ def load(state: Any, path: str, *, verify: bool = True, per_rank: str = "error",
     then the checkpoint its ``load()`` would use, as ``nostall inspect``
     does. Each rank fetches only the byte ranges its template needs, and
     verifies them.
+
+    ``strict`` (default True): ``state`` and the checkpoint must hold the
+    same keys, as torch's ``load_state_dict(strict=True)`` wants; a key of
+    either that the other lacks is a :class:`~nostall.CheckpointLoadError`
+    naming it. False: the keys both hold are loaded; ``state``'s others come
+    back as given, the checkpoint's others are not loaded, and both lists
+    are logged at WARNING by the ``nostall`` logger. Either way the restored
+    state is returned.
     """
     check_launch()
     rank, world = 0, 1
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
     root, name, _ = resolve(os.fspath(path), storage_options=storage_options)
-    return load_state(state, root.path(name), rank=rank, world_size=world, verify=verify, per_rank=per_rank,
-                      storage_options=storage_options)
+    return load_state(state, root.path(name), strict=strict, rank=rank, world_size=world, verify=verify,
+                      per_rank=per_rank, storage_options=storage_options)

@@ -625,8 +625,7 @@ class CheckpointManager:
 
         returns a :class:`~nostall.LoadedCheckpoint` (``step``, ``extra``,
         ``rng_restored``: RNG states saved with ``rng=True`` are set when
-        ``rng`` is true and the world size is the saving one's). ``strict``
-        False: model entries missing from the checkpoint keep their values. ``extra``:
+        ``rng`` is true and the world size is the saving one's). ``extra``:
         a template when the saved extra holds tensors or PerRank values.
 
         Or a ``state`` template: its tensors are filled in place, and the
@@ -637,6 +636,18 @@ class CheckpointManager:
         world size, than the save. ``path``: a checkpoint (or a run root:
         its latest, or ``step``) elsewhere than this manager's root.
         Finalizes pending saves first.
+
+        ``strict`` (default True), as torch's ``load_state_dict``: a key the
+        template (or the objects given) has and the checkpoint lacks, or one
+        the checkpoint has under what is loaded and the template lacks (a
+        2-layer model's checkpoint into a 1-layer model, a saved value the
+        state leaves out), is a :class:`~nostall.CheckpointLoadError` naming
+        the keys. Training objects not given are not loaded (``model=``
+        alone from a checkpoint with an optimizer is no error). False: the
+        keys both hold are loaded, the others keep their values, and they
+        are reported: ``LoadedCheckpoint.missing_keys`` and
+        ``unexpected_keys``, and a WARNING of the ``nostall`` logger (a
+        ``state`` load returns the restored state as always).
         """
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load", strict)
         self._check_open()  # at once, before any wait
@@ -661,8 +672,8 @@ class CheckpointManager:
                 return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
                                      per_rank=per_rank, storage_options=self.options.storage_options,
                                      timeout=self.options.timeout)
-            return load_state(state, path, rank=self._comm.rank, world_size=self._comm.size, verify=verify,
-                              per_rank=per_rank, storage_options=self.options.storage_options,
+            return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
+                              verify=verify, per_rank=per_rank, storage_options=self.options.storage_options,
                               timeout=self.options.timeout)
 
     # ------------------------------------------------------------------ lifetime

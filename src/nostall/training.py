@@ -42,7 +42,7 @@ from nostall.errors import CheckpointLoadError, InvalidStateError
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.dtypes import torch_dtype
 from nostall.loading.manifests import read_manifest
-from nostall.loading.reader import load_state
+from nostall.loading.reader import KeyReport, load_state_keys
 from nostall.core.model import PerRank, ShardedTensor, escape_component, is_dtensor
 from nostall.saving.saver import RankZeroOnly
 
@@ -90,6 +90,13 @@ class LoadedCheckpoint:
     unwrapped); ``rng_restored``: whether the RNG states were set (they are
     only on the world size that saved them); ``driver``: the state rank 0
     saved as ``driver`` (None: none).
+
+    ``missing_keys`` and ``unexpected_keys``, as torch's ``load_state_dict``
+    returns them, as checkpoint keys (``model/<name>``,
+    ``optimizer/state/<name>/<state>``): entries of the objects given that
+    the checkpoint lacks (they keep their values), and checkpoint entries of
+    the objects given that those objects lack (not loaded). Empty after a
+    strict load, which refuses both; filled only by ``strict=False``.
     """
 
     step: Optional[int]
@@ -98,6 +105,8 @@ class LoadedCheckpoint:
     saved_layout: Dict[str, int] = field(default_factory=dict)
     rng_restored: bool = False
     driver: Any = None
+    missing_keys: List[str] = field(default_factory=list)
+    unexpected_keys: List[str] = field(default_factory=list)
 
 
 def mark_tensor_parallel(param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -222,8 +231,19 @@ class Training:
         extra: the caller's own state (a state subtree: JSON values,
             tensors, ShardedTensor, DTensor, PerRank).
         layout: this rank's TP x DP coordinates, for Megatron-style parameters.
-        strict: loading only: every model entry must be in the checkpoint
-            (False: those that are not are left as they are, and logged).
+        strict: loading only (default True): the checkpoint's entries of the
+            objects given and those objects' entries must match, as torch's
+            ``load_state_dict(strict=True)`` wants: a model entry the
+            checkpoint lacks, or a checkpoint entry under ``model/``,
+            ``optimizer/``, ``scheduler`` or ``extra/`` (``extra=`` given)
+            that the objects lack (a layer more, optimizer state of a
+            parameter this model has not) is an error naming them. Entries of
+            objects not given (loading only ``model=`` from a checkpoint with
+            an optimizer) are not loaded and not an error. False: the entries
+            both hold are loaded, the others reported in
+            :class:`LoadedCheckpoint` (``missing_keys``, ``unexpected_keys``)
+            and logged; an optimizer's param groups must still list the same
+            parameters.
         driver: state that only rank 0 gives (the job driver's or
             coordinator's own: its data position, counters), saved once in
             the same commit; a load gives it back on every rank. Given on
@@ -350,20 +370,13 @@ class Training:
         """The load template for checkpoint ``m`` (tensors to fill; None where a JSON value is restored)."""
         out: Dict[str, Any] = {}
         if self.model is not None:
-            leaves = self.model_leaves()
-            if not self.strict:
-                missing = [n for n in leaves if f"model/{escape_component(n)}" not in m.tensors]
-                if missing:
-                    log.warning("%s: %d model entries are not in the checkpoint and keep their values "
-                                "(strict=False): %s", path, len(missing), missing[:5])
-                leaves = {n: v for n, v in leaves.items() if n not in missing}
-            out["model"] = leaves
+            out["model"] = self.model_leaves()
         if self.optimizer is not None:
             # (an optimizer saved before its first step holds no tensor: one JSON value under "optimizer")
             if not any(k == "optimizer" or k.startswith("optimizer/") for k in list(m.tensors) + list(m.objects)):
                 raise CheckpointLoadError(f"{path}: the checkpoint holds no optimizer state (it was saved without "
                                           "optimizer=); load without optimizer=, or from a checkpoint that has it")
-            out["optimizer"] = {"state": self._state_template(m, path), "param_groups": None}
+            out["optimizer"] = {"state": self._state_template(m), "param_groups": None}
         if self.scheduler is not None:
             if m.objects.get("scheduler") is None:
                 raise CheckpointLoadError(f"{path}: the checkpoint holds no scheduler state (it was saved without "
@@ -388,7 +401,7 @@ class Training:
             out["layout"] = None
         return out
 
-    def _state_template(self, m: Manifest, path: str) -> Dict[str, Any]:
+    def _state_template(self, m: Manifest) -> Dict[str, Any]:
         """Per parameter name, the tensors to load its saved optimizer state into.
 
         Existing state tensors of the right shape and dtype are filled in
@@ -407,11 +420,9 @@ class Training:
                 saved.setdefault(pname, {})[sname] = None
         assert self.optimizer is not None
         out: Dict[str, Any] = {}
-        known = set()
         for items in self._groups():
             for name, p in items:
                 esc = escape_component(name)
-                known.add(esc)
                 entries = saved.get(esc)
                 if not entries:
                     continue
@@ -425,16 +436,24 @@ class Training:
                     # None: a JSON value, restored as saved
                     leaves[sname] = None if found is None else _state_leaf(split, p, found, current.get(sname))
                 out[name] = leaves
-        unknown = sorted(set(saved) - known)
-        if unknown:
-            raise CheckpointLoadError(
-                f"{path}: the checkpoint holds optimizer state of parameter(s) {unknown[:3]} that this model's "
-                f"optimizer does not hold ({len(unknown)} in all): load into the same model, or prune the "
-                "optimizer's state with the state-dict API"
-            )
+        # the state of a parameter this model lacks is left out: the load reports it as unexpected
         return out
 
-    def restore(self, restored: Mapping[str, Any], m: Manifest, path: str) -> LoadedCheckpoint:
+    def scope(self) -> List[str]:
+        """The top-level checkpoint keys a strict load checks: what the given objects restore.
+
+        Left out on purpose: the objects not given (``mgr.load(model=...)`` of a checkpoint that holds an
+        optimizer loads the model alone, as ``model.load_state_dict(ckpt["model"])`` would), and ``rng``
+        (restored for the generators this process has, on the saving world size only: a CUDA state saved
+        by a GPU run is no error on a CPU-only load). ``extra``, ``driver`` and ``layout`` are checked,
+        but their templates are built from the checkpoint unless ``extra=`` is given, so only a given
+        ``extra=`` can miss one.
+        """
+        given = [("model", self.model), ("optimizer", self.optimizer), ("scheduler", self.scheduler)]
+        return [k for k, obj in given if obj is not None] + ["extra", "driver", "layout"]
+
+    def restore(self, restored: Mapping[str, Any], m: Manifest, path: str,
+                report: Optional[KeyReport] = None) -> LoadedCheckpoint:
         """Put the loaded values back into the objects (the model's tensors are filled already)."""
         if self.optimizer is not None:
             self._load_optimizer(restored["optimizer"], path)
@@ -449,8 +468,10 @@ class Training:
                 log.warning("%s: saved by %d ranks, loaded by another number: RNG states are not restored",
                             path, m.world_size)
         layout = restored.get("layout")
+        report = report or KeyReport()
         return LoadedCheckpoint(m.step, path, restored.get("extra"), dict(layout) if isinstance(layout, dict) else {},
-                                rng_restored, restored.get("driver"))
+                                rng_restored, restored.get("driver"), list(report.missing_keys),
+                                list(report.unexpected_keys))
 
     def _load_optimizer(self, saved: Mapping[str, Any], path: str) -> None:
         assert self.optimizer is not None
@@ -482,12 +503,14 @@ class Training:
 def load_training(training: Training, path: str, *, rank: int, world_size: int, verify: bool = True,
                   per_rank: str = "error", storage_options: Optional[Dict[str, Any]] = None,
                   timeout: Optional[float] = None) -> LoadedCheckpoint:
-    """Restore ``training``'s objects from the checkpoint at ``path`` (a directory or URL)."""
+    """Restore ``training``'s objects from the checkpoint at ``path`` (a directory or URL); strict as
+    ``training.strict`` says (see :class:`Training`)."""
     m = read_manifest(path, storage_options)
     template = training.template(m, rank, world_size, path)
-    restored = load_state(template, path, rank=rank, world_size=world_size, verify=verify, per_rank=per_rank,
-                          manifest=m, storage_options=storage_options, timeout=timeout)
-    return training.restore(restored, m, path)
+    restored, report = load_state_keys(template, path, strict=training.strict, scope=training.scope(), rank=rank,
+                                       world_size=world_size, verify=verify, per_rank=per_rank, manifest=m,
+                                       storage_options=storage_options, timeout=timeout)
+    return training.restore(restored, m, path, report)
 
 
 _ABSENT = object()

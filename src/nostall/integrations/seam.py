@@ -138,15 +138,25 @@ class CheckpointingMixin:
 
         Returns ``(ckpt_dir, states)``: ``states`` holds ``step`` (None: the
         seam names no step), ``rng_restored``, ``layout`` (the saving run's
-        tensor- and data-parallel sizes) and ``driver`` (the ``driver_state``
-        saved with it, on every rank; None: none).
+        tensor- and data-parallel sizes), ``driver`` (the ``driver_state``
+        saved with it, on every rank; None: none), and ``missing_keys`` and
+        ``unexpected_keys``.
+
+        ``load_module_strict`` (default True), as DeepSpeed's: the checkpoint's
+        entries of what is loaded and the model's (and optimizer's) must
+        match, or the load fails naming the keys; False: the entries both hold
+        are loaded, the others reported in ``missing_keys`` and
+        ``unexpected_keys``. The optimizer and scheduler left out by
+        ``load_optimizer_states`` / ``load_lr_scheduler_states`` are not loaded
+        and not an error.
         """
         mgr = self.checkpoint_manager
         loaded = mgr.load(model=model, optimizer=optimizer if load_optimizer_states else None,
                           scheduler=scheduler if load_lr_scheduler_states else None, layout=self._nostall_layout,
                           path=ckpt_dir, strict=load_module_strict)
         return loaded.path, {"step": loaded.step, "rng_restored": loaded.rng_restored, "layout": loaded.saved_layout,
-                             "driver": loaded.driver}
+                             "driver": loaded.driver, "missing_keys": loaded.missing_keys,
+                             "unexpected_keys": loaded.unexpected_keys}
 
     def finalize_pending_saves(self, timeout: Optional[float] = None) -> None:
         """Wait (bounded) until the pending save is committed, or raise its error. Not collective;

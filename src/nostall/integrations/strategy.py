@@ -159,8 +159,8 @@ class Strategy:
         return self._training(model, optimizer, scheduler, extra, rng).state(_rank_world(self.process_group)[1])
 
     def _training(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer], scheduler: Any,
-                  extra: Any, rng: bool) -> Training:
-        return Training(model, optimizer, scheduler, rng, extra, self.layout)
+                  extra: Any, rng: bool, strict: bool = True) -> Training:
+        return Training(model, optimizer, scheduler, rng, extra, self.layout, strict)
 
     def _root(self, ckpt_dir: str) -> str:
         """``ckpt_dir`` as a manager names it: an absolute path, or a URL as it is (no trailing slash)."""
@@ -256,6 +256,7 @@ class Strategy:
         extra: Any = None,
         load_rng: bool = True,
         verify: bool = True,
+        strict: bool = True,
     ) -> LoadedCheckpoint:
         """Restore the model (and optimizer, scheduler, RNG) in place from a checkpoint.
 
@@ -266,13 +267,16 @@ class Strategy:
         same world size (else left as they are, and ``rng_restored`` is
         False). ``extra`` is the template of the saved ``extra`` when it holds
         tensors or PerRank values (None: a JSON value, returned as saved).
-        Not a collective call.
+        ``strict`` (default True): the checkpoint's entries of the objects
+        given and theirs must match (see :class:`~nostall.training.Training`);
+        False: the others are reported in ``missing_keys`` and
+        ``unexpected_keys``. Not a collective call.
         """
         self.finalize_pending_saves()
         _, path = self.resolve(ckpt_dir, step)
         rank, world = _rank_world(self.process_group)
         # per_rank="skip": on another world size, PerRank values in extra keep the template's
-        return load_training(self._training(model, optimizer, scheduler, extra, load_rng), path, rank=rank,
+        return load_training(self._training(model, optimizer, scheduler, extra, load_rng, strict), path, rank=rank,
                              world_size=world, verify=verify, per_rank="skip",
                              storage_options=self.storage_options, timeout=self.options.timeout)
 

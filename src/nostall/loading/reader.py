@@ -16,7 +16,8 @@ import functools
 import errno
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -29,7 +30,7 @@ from nostall.loading.engine import Read, Shape
 from nostall.loading.manifests import read_manifest
 from nostall.loading.sources import DataFiles, Verifier, open_files
 
-__all__ = ["load_state"]
+__all__ = ["KeyReport", "load_state", "load_state_keys"]
 
 log = logging.getLogger("nostall")
 
@@ -189,10 +190,8 @@ def _check_dest(key: str, dest: torch.Tensor) -> None:
             )
 
 
-def _check_tensor(key: str, rec: Optional[TensorRecord], dest: torch.Tensor, gshape: Shape, where: str) -> TensorRecord:
+def _check_tensor(key: str, rec: TensorRecord, dest: torch.Tensor, gshape: Shape) -> TensorRecord:
     _check_dest(key, dest)
-    if rec is None:
-        raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {where}")
     dtype = torch_dtype(rec.dtype)
     if dest.dtype != dtype:
         raise CheckpointLoadError(f"key {key!r}: the checkpoint holds {dtype}, the template {dest.dtype}")
@@ -203,10 +202,25 @@ def _check_tensor(key: str, rec: Optional[TensorRecord], dest: torch.Tensor, gsh
     return rec
 
 
+@dataclass(frozen=True)
+class KeyReport:
+    """The keys a load did not match, as torch's ``load_state_dict`` reports them.
+
+    ``missing_keys``: keys of the template that the checkpoint does not hold
+    (not loaded: they keep the template's values). ``unexpected_keys``: keys
+    of the checkpoint that the template does not reach (not loaded). Both in
+    the order of the template and of the manifest.
+    """
+
+    missing_keys: List[str] = field(default_factory=list)
+    unexpected_keys: List[str] = field(default_factory=list)
+
+
 def load_state(
     template: Any,
     path: str,
     *,
+    strict: bool = True,
     rank: int = 0,
     world_size: int = 1,
     verify: bool = True,
@@ -223,6 +237,19 @@ def load_state(
     ``per_rank``: ``"error"`` (default) refuses PerRank values when the world
     size differs from the save's; ``"skip"`` leaves them as in the template.
 
+    ``strict`` (default True): the template and the checkpoint must hold the
+    same keys, as torch's ``load_state_dict(strict=True)`` wants: a template
+    key the checkpoint lacks (missing) or a checkpoint key the template does
+    not reach (unexpected) is a :class:`~nostall.CheckpointLoadError` naming
+    them, raised before anything is read. The checkpoint's keys are its
+    tensors, its JSON values and, when the world size is the saving one's,
+    this rank's PerRank values; a key tied to another (tied weights, saved
+    once) counts as reached when any key of its tie is. False: the keys both
+    hold are loaded, missing keys keep the template's values (they come back
+    as given), unexpected keys are not loaded, and both lists are logged at
+    WARNING by the ``nostall`` logger (:func:`load_state_keys` returns them).
+    A dtype or shape that differs is an error either way.
+
     Tensors are filled in place, as ``load_state_dict`` does, so a load writes
     only into memory it can prove is for writing: a CPU template tensor over
     memory torch did not allocate and that maps no file (``torch.frombuffer``
@@ -233,26 +260,85 @@ def load_state(
     A mapped file (``torch.from_file``, safetensors, ``torch.load(mmap=True)``)
     is written into like any tensor.
     """
+    restored, _ = load_state_keys(template, path, strict=strict, rank=rank, world_size=world_size, verify=verify,
+                                  per_rank=per_rank, manifest=manifest, storage_options=storage_options,
+                                  timeout=timeout)
+    return restored
+
+
+def load_state_keys(
+    template: Any,
+    path: str,
+    *,
+    strict: bool = True,
+    scope: Optional[Sequence[str]] = None,
+    rank: int = 0,
+    world_size: int = 1,
+    verify: bool = True,
+    per_rank: str = "error",
+    manifest: Optional[Manifest] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+    timeout: Optional[float] = None,
+) -> Tuple[Any, KeyReport]:
+    """:func:`load_state`, returning the restored state and the :class:`KeyReport` of the load.
+
+    ``scope``: the top-level keys whose checkpoint entries the template must
+    reach (a key counts when it is one of them or lies under one); None: all
+    of them. Missing keys are the template's, whatever the scope.
+    """
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")
     m = manifest if manifest is not None else read_manifest(path, storage_options)
-    plan = _TemplatePlan(m, path, rank, world_size, per_rank)
+    plan = _TemplatePlan(m, path, rank, world_size, per_rank, strict)
     restored = walk(template, plan.visit)
+    report = plan.report(scope)
+    if report.missing_keys or report.unexpected_keys:
+        if strict:
+            raise CheckpointLoadError(_mismatch(path, report))
+        log.warning("%s: loaded with strict=False: %s", path,
+                    _mismatch_lists(report, " (they keep the template's values)", " (not loaded)"))
     files = open_files(path, m, storage_options, timeout)
     try:
         _fill(engine.in_file_order(engine.unique_reads(plan.reads)), files, m, verify)
     finally:
         files.close()
-    return restored
+    return restored, report
+
+
+def _some(keys: List[str], n: int = 5) -> str:
+    """The first ``n`` of ``keys``, and how many there are."""
+    shown = ", ".join(repr(k) for k in keys[:n])
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)} in all)"
+
+
+def _mismatch_lists(report: KeyReport, kept: str = "", ignored: str = "") -> str:
+    parts = []
+    if report.missing_keys:
+        parts.append(f"missing key(s), in the template but not in the checkpoint{kept}: {_some(report.missing_keys)}")
+    if report.unexpected_keys:
+        parts.append(f"unexpected key(s), in the checkpoint but not in the template{ignored}: "
+                     f"{_some(report.unexpected_keys)}")
+    return "; ".join(parts)
+
+
+def _mismatch(path: str, report: KeyReport) -> str:
+    return (f"{path}: the checkpoint and the template do not hold the same keys: {_mismatch_lists(report)}. Load "
+            "into the model or state that saved it (the same architecture and structure), or pass strict=False to "
+            "load the keys both hold (missing keys keep the template's values, unexpected keys are not loaded; "
+            "both are reported)")
 
 
 class _TemplatePlan:
     """A load's first phase: walk the template (:meth:`visit`), check each key against the manifest ``m``
-    and plan the reads of its tensors (:attr:`reads`); nothing is read or written yet."""
+    and plan the reads of its tensors (:attr:`reads`); nothing is read or written yet. The keys found are
+    recorded (:attr:`reached`), those not found too (:attr:`missing`, the template's values kept)."""
 
-    def __init__(self, m: Manifest, path: str, rank: int, world_size: int, per_rank: str) -> None:
+    def __init__(self, m: Manifest, path: str, rank: int, world_size: int, per_rank: str, strict: bool) -> None:
         self.m, self.path, self.rank, self.world_size, self.per_rank = m, path, rank, world_size, per_rank
+        self.strict = strict
         self.reads: List[Read] = []
+        self.reached: Set[str] = set()
+        self.missing: List[str] = []
 
     def visit(self, kind: str, key: str, v: Any) -> Any:
         if kind == "tensor":
@@ -262,29 +348,38 @@ class _TemplatePlan:
                 dest, off, gshape, _ = dtensor_box(v, key)
             else:
                 dest, off, gshape = v, (0,) * v.dim(), tuple(v.shape)
-            rec = _check_tensor(key, self.m.tensors.get(key), dest, gshape, self.path)
-            engine.plan_reads(rec, dest, off, self.reads)
+            rec = self.m.tensors.get(key)
+            if rec is None:
+                return self._missing(key, v)
+            engine.plan_reads(_check_tensor(key, rec, dest, gshape), dest, off, self.reads)
+            self.reached.add(key)
             return v
         if kind == "object":
             return self._object(key, v)
         return self._per_rank(key, v)
 
+    def _missing(self, key: str, v: Any) -> Any:
+        """A template key the checkpoint lacks: recorded, and its template value kept."""
+        self.missing.append(key)
+        return v
+
     def _object(self, key: str, v: Any) -> Any:
         m, path = self.m, self.path
         if key not in m.objects:
             under = [k for k in m.tensors if k.startswith(key + "/")] if key else []
-            if under:
+            if under and self.strict:
                 raise CheckpointLoadError(
                     f"key {key!r}: the checkpoint at {path} holds tensors under it (e.g. {under[0]!r}) but the "
                     f"template has a {type(v).__name__} value there: give the template the same structure. "
                     "An optimizer's state_dict() is empty until its first step: load a model and optimizer "
                     "with load(model=..., optimizer=...), which needs no preparation"
                 )
-            raise CheckpointLoadError(f"key {key!r}: not in the checkpoint at {path}")
+            return self._missing(key, v)
+        self.reached.add(key)
         return m.objects[key]
 
     def _per_rank(self, key: str, pr: PerRank) -> Any:
-        m, path, rank = self.m, self.path, self.rank
+        m, rank = self.m, self.rank
         if m.world_size != self.world_size:
             if self.per_rank == "skip":
                 return pr.value
@@ -297,16 +392,41 @@ class _TemplatePlan:
         def inner(kind: str, k: str, v: Any) -> Any:
             full = key if not k else f"{key}/{k}"
             if kind == "tensor":
-                rec = _check_tensor(full, saved.tensors.get(full), v, tuple(v.shape), f"{path} (rank {rank})")
-                engine.plan_reads(rec, v, (0,) * v.dim(), self.reads)
+                rec = saved.tensors.get(full)
+                if rec is None:
+                    return self._missing(full, v)
+                engine.plan_reads(_check_tensor(full, rec, v, tuple(v.shape)), v, (0,) * v.dim(), self.reads)
+                self.reached.add(full)
                 return v
             if kind == "object":
                 if full not in saved.objects:
-                    raise CheckpointLoadError(f"key {full!r}: not in the checkpoint at {path} (rank {rank})")
+                    return self._missing(full, v)
+                self.reached.add(full)
                 return saved.objects[full]
             raise CheckpointLoadError(f"key {full!r}: PerRank nested inside PerRank")
 
         return walk_value(pr.value, inner)
+
+    def report(self, scope: Optional[Sequence[str]]) -> KeyReport:
+        """The keys not matched: the template's missing ones, and the checkpoint's (within ``scope``) not reached.
+
+        A tensor recorded as tied to another (``tied_to``: the same data, saved once) is reached when any
+        key of its tie is. PerRank entries count only on the saving world size (this rank's): on another,
+        no rank's can be restored.
+        """
+        m, reached = self.m, self.reached
+
+        def tie(key: str) -> str:
+            return m.tensors[key].tied_to or key
+
+        ties_reached = {tie(k) for k in reached if k in m.tensors}
+        keys = [k for k in m.tensors if tie(k) not in ties_reached] + [k for k in m.objects if k not in reached]
+        if m.world_size == self.world_size and 0 <= self.rank < len(m.per_rank):
+            mine = m.per_rank[self.rank]
+            keys += [k for k in list(mine.tensors) + list(mine.objects) if k not in reached]
+        if scope is not None:
+            keys = [k for k in keys if any(k == s or k.startswith(s + "/") for s in scope)]
+        return KeyReport(list(self.missing), keys)
 
 
 def _fill(reads: List[Read], files: DataFiles, m: Manifest, verify: bool) -> None:
