@@ -54,18 +54,23 @@ def test_inspect_verify_ls_take_a_run_roots_latest_file(tmp_path, capsys):
 
 
 def test_the_demos_hint_names_commands_that_work(tmp_path, capsys):
-    """The demo ends with `try: nostall ls CKPTS; nostall inspect CKPTS` (CKPTS: its run root)."""
+    """The demo ends with `try: CLI ls CKPTS; CLI inspect CKPTS` (CKPTS: its run root; CLI: the venv's
+    console script, which runs as it stands)."""
     import nostall.tools.reference.demo as demo
 
     with open(demo.__file__) as f:
-        hints = [line for line in f if "try: nostall" in line]
+        hints = [line for line in f if "(try: {cli}" in line]
     assert len(hints) == 1, hints
-    commands = re.findall(r"nostall (\w+) \{ckpts\}", hints[0])
+    commands = re.findall(r"\{cli\} (\w+) \{ckpts\}", hints[0])
     assert set(commands) >= {"ls", "inspect"}, hints[0]
     root = _run_root(tmp_path / "ckpts")
     for cmd in commands:
         assert cli_main([cmd, root]) == 0, cmd
     capsys.readouterr()
+    script = demo.console_script()
+    assert os.path.dirname(os.path.abspath(script)) == os.path.dirname(sys.executable) or script == "nostall"
+    if script != "nostall":
+        assert subprocess.run([script, "ls", root], capture_output=True, timeout=120).returncode == 0
 
 
 # --------------------------------------------------------------------------- 2. | head -1

@@ -128,15 +128,23 @@ def _compare_losses(first: Dict[str, Any], second: Dict[str, Any]) -> bool:
 
 
 def _print_stalls(first: Dict[str, Any], second: Dict[str, Any], mode: str) -> None:
-    print("\n== what each save cost rank 0 (training blocked):")
-    for run, h in (("run 1", first), ("run 2", second)):
-        for rec in h["saves"]:
-            print(f"   {run} step {rec['step']:3d}  {mode}  {rec['stall_s'] * 1e3:8.1f} ms")
+    """The async saves' stalls in one line (each save's own is in the runs' output), beside the sync one."""
     async_stalls = sorted(r["stall_s"] for r in first["saves"] + second["saves"])
     sync = first["sync_save_stall_s"]
     median = async_stalls[len(async_stalls) // 2]
-    print(f"   a synchronous save of the same state: {sync * 1e3:8.1f} ms "
-          f"({mode} median {median * 1e3:.1f} ms, {sync / median:.1f}x less)")
+    print(f"\n== training blocked on rank 0 (from the save handles): {len(async_stalls)} {mode} saves, median "
+          f"{median * 1e3:.1f} ms [{async_stalls[0] * 1e3:.1f}-{async_stalls[-1] * 1e3:.1f}]; "
+          f"a synchronous save of the same state (not kept): {sync * 1e3:.1f} ms ({sync / median:.1f}x the median)")
+
+
+def console_script() -> str:
+    """The ``nostall`` console script beside this interpreter (a venv's bin/), relative to the working
+    directory when it is below it; plain ``nostall`` when there is none."""
+    script = os.path.join(os.path.dirname(sys.executable), "nostall")
+    if not os.path.exists(script):
+        return "nostall"
+    rel = os.path.relpath(script)
+    return rel if not rel.startswith("..") else script
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -152,7 +160,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         plot(first, second, a.stop, a.plot)
         print(f"   plot: {a.plot}")
     ckpts = os.path.join(root, "ckpts")
-    print(f"\ncheckpoints: {ckpts}  (try: nostall ls {ckpts}; nostall inspect {ckpts})")
+    cli = console_script()
+    print(f"\ncheckpoints: {ckpts}  (try: {cli} ls {ckpts}; {cli} inspect {ckpts})")
     if not same:
         print("demo: the resumed run did NOT reproduce the first run's losses", file=sys.stderr)
         return 1

@@ -4,7 +4,8 @@
         --loop sft --steps 40 --ckpt-interval 8 --async-save --resume latest --ckpt-dir ckpts
 
 Each rank joins the gloo group torchrun set up, trains, and rank 0 prints the
-losses and what each save blocked training for. ``--history FILE`` writes
+losses and, once each save has committed, what it blocked training for (from
+the save's handle; the library's own INFO records are left out). ``--history FILE`` writes
 rank 0's :class:`RunResult` as JSON.
 
 On several hosts (docs/topologies.md), ``--ckpt-dir`` is a directory every
@@ -90,6 +91,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stdout,
                         format=f"[rank {rank}] %(message)s")
+    # the trainer reports each save once, from its handle: the library's own per-save records stay out
+    logging.getLogger("nostall").setLevel(logging.WARNING)
+    logging.getLogger("nostall.reference").setLevel(logging.INFO if rank == 0 else logging.WARNING)
     try:
         result = train(config_from_args(args))
         if rank == 0 and args.history:

@@ -268,14 +268,24 @@ class Trainer:
             async_save=async_save,
         )
         stall = time.perf_counter() - t0
-        rec = {"step": self.step, "stall_s": stall, "async": self.cfg.async_save if async_save is None else async_save}
-        if handle.stats is not None and handle.stats.total_s is not None:
-            rec["total_s"] = handle.stats.total_s
+        st = handle.stats  # an async save's: provisional until it commits (finalize() takes the final ones)
+        rec = {"step": self.step, "stall_s": st.stall_s if st is not None else stall,
+               "async": self.cfg.async_save if async_save is None else async_save}
+        if st is not None and st.total_s is not None:  # final (a sync save)
+            rec["total_s"] = st.total_s
         self._handles.append((rec, handle))
         self.result.saves.append(rec)
-        log.info("rank %d: step %d saved (%s), training blocked %.1f ms", self.rank, self.step,
-                 "async" if rec["async"] else "sync", stall * 1e3)
+        handle.add_done_callback(self._report)
         return rec
+
+    def _report(self, handle: SaveHandle) -> None:
+        """One line per save, once its outcome is known: the stall from the handle's final stats."""
+        st = handle.stats
+        if st is None:
+            log.warning("rank %d: the save of step %s failed: %s", self.rank, handle.step, handle.exception(0))
+            return
+        log.info("rank %d: step %s checkpoint committed (%s save): training blocked %.1f ms", self.rank,
+                 handle.step, "async" if st.async_save else "sync", st.stall_s * 1e3)
 
     def _on_commit(self, handle: SaveHandle) -> None:
         """The strategy's commit callback: the save of ``handle.step`` is durable, so rank 0 moves the
@@ -490,9 +500,9 @@ class Trainer:
         try:
             stall = 0.0
             for _ in range(2):  # the second save is the steady state (plan cached), like the async ones
-                t0 = time.perf_counter()
-                probe.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler, extra)
-                stall = time.perf_counter() - t0
+                stats = probe.save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler,
+                                              extra).result()
+                stall = stats.stall_s
         finally:
             probe.close()
         if self.rank == 0:
