@@ -6,9 +6,15 @@
 #   make test-fast - the unit tier (tests/unit: one process, no ranks, no server) and the doctests, in about a minute
 #   make test-burn - `make test` with BURNERS CPU-bound processes beside it (default 2): no verdict may depend on speed
 #   make clean  - remove the venv, build artefacts and caches
+#
+# TORCH_INDEX (default: PyTorch's CPU wheels) is an extra index for the torch install line only, so that a
+# plain Linux machine gets the CPU build of torch (PyPI's is a CUDA build of several GB); TORCH_INDEX= (empty)
+# for none, e.g. where pip already has a torch wheel at hand (find-links, a local index). An unreachable index
+# only costs pip's retries: the wheel is then taken from the other indexes.
 
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS   ?=
 BURNERS       ?= 2
 DEMO_ARGS     ?= --plot demo-checkpoints/demo.png
@@ -17,17 +23,19 @@ VENV  := .venv
 VPY   := $(VENV)/bin/python
 PIP   := $(VPY) -m pip
 STAMP := $(VENV)/.stamp
+TORCH_INDEX_ARG := $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: venv demo test test-fast test-burn clean
 
 venv: $(STAMP)
 
-# Rebuilt when pyproject.toml changes. torch is installed pinned FIRST so that
-# resolving the package's own dependencies never pulls a (CUDA) torch build;
-# the pin is repeated on the second install so pip cannot replace it.
+# Rebuilt when pyproject.toml changes. torch is installed pinned FIRST (with
+# TORCH_INDEX: the CPU build) so that resolving the package's own dependencies
+# never pulls a (CUDA) torch build; the pin is repeated on the second install
+# so pip cannot replace it.
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	$(PIP) install -q $(TORCH_INDEX_ARG) "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -e ".[test]" "torch==$(TORCH_VERSION)"
 	@touch $@
 
