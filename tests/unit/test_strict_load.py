@@ -266,3 +266,13 @@ def test_dtype_mismatch_is_an_error_even_when_not_strict(tmp_path):
     nostall.save({"w": torch.ones(2)}, path)
     with pytest.raises(nostall.CheckpointLoadError, match="the checkpoint holds torch.float32"):
         nostall.load({"w": torch.zeros(2, dtype=torch.float64)}, path, strict=False)
+
+
+def test_megatron_strict_values_not_honoured_are_refused(tmp_path):
+    from nostall.interop import megatron
+
+    path = str(tmp_path / "ck")
+    nostall.save({"w": torch.ones(1)}, path)
+    for value in ("log_all", "ignore_all", "return_unexpected", "raise_all"):
+        with pytest.raises(ValueError, match=f"strict='{value}' is not supported.*RAISE_UNEXPECTED"):
+            megatron.load({}, path, strict=value)

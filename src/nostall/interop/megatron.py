@@ -39,6 +39,7 @@ megatron-core is optional (extra ``megatron``) and imported only when needed.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -658,9 +659,21 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
     read with every tensor stored whole under its Megatron key, and every
     ``ShardedObject`` from the JSON value the import made of it (torch_dist
     stores an object as the list of its values on the saving rank).
+
+    ``strict``: Megatron's ``StrictHandling`` (or its string value), where
+    "unexpected" keys are the template's keys the checkpoint lacks and
+    "missing" keys the checkpoint's the template lacks (the other way round
+    from torch). Supported: None or ``ASSUME_OK_UNEXPECTED`` (Megatron's
+    default) and ``RAISE_UNEXPECTED``, which behave alike here: a template
+    key the checkpoint lacks is a :class:`~nostall.CheckpointLoadError`
+    naming it, and checkpoint keys the template lacks are not loaded (a
+    model-only load of a checkpoint that holds an optimizer is legal, as in
+    Megatron). The others (logging, ignoring or returning the mismatches,
+    the ``*_ALL`` checks across ranks) raise ValueError.
     """
     if sharded_strategy is not None or common_strategy is not None:
         raise ValueError("nostall is the checkpoint strategy: leave sharded_strategy and common_strategy as None")
+    _check_strict(strict)
     mp = _mapping()
     path = _resolve(checkpoint_dir, step)
     with Source(path, storage_options=storage_options, verify=verify) as src:
@@ -669,6 +682,20 @@ def load(sharded_state_dict: Dict[str, Any], checkpoint_dir: Any, sharded_strate
         common = loader.common()
     loaded = loaded if isinstance(loaded, dict) else {}
     return _strip_drops(_merge(common, loaded))
+
+
+_STRICT_SUPPORTED = ("assume_ok_unexpected", "raise_unexpected")
+
+
+def _check_strict(strict: Any) -> None:
+    """Refuse a Megatron ``strict`` (a ``StrictHandling`` member or its value) that :func:`load` does not honour."""
+    value = strict.value if isinstance(strict, enum.Enum) else strict
+    if value is not None and value not in _STRICT_SUPPORTED:
+        raise ValueError(
+            f"strict={strict!r} is not supported by nostall's Megatron load: pass None, "
+            "StrictHandling.ASSUME_OK_UNEXPECTED or StrictHandling.RAISE_UNEXPECTED (a template key the checkpoint "
+            "lacks is an error; checkpoint keys the template lacks are not loaded)"
+        )
 
 
 def load_content_metadata(checkpoint_dir: Any, *, step: Optional[int] = None,
