@@ -219,12 +219,12 @@ def test_a_load_into_a_slice_of_a_bytes_object_is_refused(saved):
 def test_a_load_into_torch_or_file_mapped_memory_works(saved, tmp_path):
     """Memory torch allocated, and a mapping of a file (torch.from_file, safetensors, torch.load(mmap=True))."""
     want = torch.arange(6, dtype=torch.float32)
-    own = {"w": torch.zeros(6)}
+    own = {"w": torch.zeros(6), "n": None}
     nostall.load(own, saved)
     assert torch.equal(own["w"], want)
     f = tmp_path / "buf"
     f.write_bytes(bytes(24))
-    mapped = {"w": torch.from_file(str(f), shared=False, size=6, dtype=torch.float32)}
+    mapped = {"w": torch.from_file(str(f), shared=False, size=6, dtype=torch.float32), "n": None}
     nostall.load(mapped, saved)
     assert torch.equal(mapped["w"], want)
 
@@ -253,7 +253,7 @@ def test_a_load_into_torch_memory_that_numpy_or_torch_load_made_not_resizable_wo
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     assert not loaded["w"].untyped_storage().resizable()
-    nostall.load(loaded, saved)
+    nostall.load({**loaded, "n": None}, saved)
     assert torch.equal(loaded["w"], want)
 
 

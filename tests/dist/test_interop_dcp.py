@@ -170,7 +170,7 @@ def test_dcp_import_to_nostall(tmp_path, pool2):
     assert out["step"] == 11
     # a region of the imported tensor, as a shard
     part = nostall.ShardedTensor(torch.zeros(3, 6), ROWS, (4, 0))
-    nostall.load({"model": {"w": part}}, dst)
+    nostall.load({"model": {"w": part}}, dst, strict=False)
     assert torch.equal(part.data, full("w", ROWS)[4:7])
 
 

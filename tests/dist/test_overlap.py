@@ -321,7 +321,7 @@ def test_two_ranks_overlapped_and_budgeted_saves_equal_a_sync_save(pool2, tmp_pa
         assert all(chunks > 2 and size <= budget for chunks, size in out)
     assert _data_files(tmp_path / "run" / "step_1") == _data_files(tmp_path / "sync" / "step_1")
     full = torch.zeros(512, 1024)
-    nostall.load({"w": full}, str(tmp_path / "run" / "step_1"))
+    nostall.load({"w": full}, str(tmp_path / "run" / "step_1"), strict=False)
     assert torch.equal(full, torch.arange(512 * 1024, dtype=torch.float32).reshape(512, 1024))
 
 

@@ -90,7 +90,7 @@ def _nested_differently(rank, world, root):
         msg = _expect_refused(mgr, 1, {"extra": extra}, "'extra'", "same structure")
         # rank 0 alone holding a key of its own is fine (a driver's state)
         mgr.save(2, {"extra": {"worker": {"n": 1}}, **({"driver": {"pos": 3, "t": torch.ones(1)}} if rank == 0 else {})})
-        got = nostall.load({"driver": {"pos": None, "t": torch.zeros(1)}}, mgr.path_for(2))
+        got = nostall.load({"driver": {"pos": None, "t": torch.zeros(1)}}, mgr.path_for(2), strict=False)
     return msg, got["driver"]["pos"], float(got["driver"]["t"])
 
 
