@@ -49,7 +49,7 @@ def test_load_from_s3_reads_only_the_needed_ranges(s3, uploaded, monkeypatch):
     assert torch.equal(part.data, _full()[100:116]) and got["meta"] == {"step": 7}
     assert 16 * 1024 <= sum(fetched) <= 16 * 1024 + 2 * 4096  # block-aligned, not the whole 256 KiB
     whole = torch.zeros(256, 256)
-    nostall.load({"w": whole}, uploaded, storage_options=s3.storage_options)
+    nostall.load({"w": whole, "meta": None}, uploaded, storage_options=s3.storage_options)
     assert torch.equal(whole, _full())
 
 
@@ -62,14 +62,14 @@ def test_s3_corruption_is_detected(s3, uploaded, tmp_path):
     fs.pipe_file(key, bytes(bad))
     try:
         with pytest.raises(nostall.CheckpointCorruptError, match="checksum mismatch"):
-            nostall.load({"w": torch.zeros(256, 256)}, uploaded, storage_options=s3.storage_options)
+            nostall.load({"w": torch.zeros(256, 256), "meta": None}, uploaded, storage_options=s3.storage_options)
         from nostall.loading.verify import check_checkpoint
 
         report = check_checkpoint(uploaded, s3.storage_options)
         assert len(report.problems) == 1 and "s3://ckpts/run/step_7/rank0.safetensors" in report.problems[0]
         fs.pipe_file(key, bytes(good[:-10]))  # truncated
         with pytest.raises(nostall.CheckpointCorruptError, match="truncated"):
-            nostall.load({"w": torch.zeros(256, 256)}, uploaded, storage_options=s3.storage_options)
+            nostall.load({"w": torch.zeros(256, 256), "meta": None}, uploaded, storage_options=s3.storage_options)
     finally:
         fs.pipe_file(key, good)
 
@@ -86,7 +86,7 @@ def _rank_load(rank, world_size, url, storage_options):
 
     rows = 256 // world_size
     t = nostall.ShardedTensor(torch.zeros(rows, 256), (256, 256), (rank * rows, 0))
-    nostall.load({"w": t}, url, storage_options=storage_options)
+    nostall.load({"w": t, "meta": None}, url, storage_options=storage_options)
     full = torch.arange(64 * 1024, dtype=torch.float32).reshape(256, 256)
     return torch.equal(t.data, full[rank * rows : (rank + 1) * rows])
 

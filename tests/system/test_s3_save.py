@@ -145,7 +145,7 @@ def test_trainer_killed_mid_upload_leaves_the_previous_checkpoint_latest(s3, tmp
     mgr = nostall.CheckpointManager(root, read_only=True, storage_options=s3.storage_options)
     assert mgr.latest_step() == 1 and mgr.steps() == [1]
     w = torch.zeros(256, 256)
-    mgr.load({"w": w, "b": torch.zeros(8)})
+    mgr.load({"w": w, "b": torch.zeros(8), "meta": None})
     assert torch.equal(w, _expected_full(1, 2))
     fs = s3.filesystem()
     fs.invalidate_cache()
