@@ -59,6 +59,31 @@ def _to_bytes(t: torch.Tensor, n: int) -> bytes:
     return t[:n].numpy().tobytes()
 
 
+SLOT = 4096
+"""Bytes each rank sends in the first (and usually only) message of a collective: an 8-byte
+length, then the pickled object when it fits in the rest (a save's per-save exchange does)."""
+
+
+def _slot(data: bytes) -> torch.Tensor:
+    """A collective's first message: ``len(data)``, then ``data`` when it fits in :data:`SLOT`."""
+    slot = torch.zeros(SLOT, dtype=torch.uint8)
+    slot[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if len(data) <= SLOT - 8:
+        slot[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return slot
+
+
+def _slot_length(slot: torch.Tensor) -> int:
+    return int(slot[:8].view(torch.int64).item())
+
+
+def _padded(data: bytes, size: int) -> torch.Tensor:
+    """``data`` in a buffer of ``size`` bytes (the second message, when an object did not fit)."""
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
 class _TorchComm(Comm):
     """Object collectives over a gloo process group.
 
@@ -262,32 +287,38 @@ class _TorchComm(Comm):
         work.wait()
 
     def all_gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``: one collective when every pickle fits in :data:`SLOT`, else two
+        (every rank sees every length after the first, so all take the same path)."""
+
         def run() -> List[Any]:
             g = self.group
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-            self._wait(g.allgather([sizes], [torch.tensor([len(data)], dtype=torch.int64)]))
-            n = [int(s.item()) for s in sizes]
-            buf = torch.zeros(max(n), dtype=torch.uint8)
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(self.size)]
+            self._wait(g.allgather([slots], [_slot(data)]))
+            n = [_slot_length(s) for s in slots]
+            if max(n) <= SLOT - 8:
+                return [pickle.loads(_to_bytes(s[8:], k)) for s, k in zip(slots, n)]
             outs = [torch.empty(max(n), dtype=torch.uint8) for _ in range(self.size)]
-            self._wait(g.allgather([outs], [buf]))
+            self._wait(g.allgather([outs], [_padded(data, max(n))]))
             return [pickle.loads(_to_bytes(t, k)) for t, k in zip(outs, n)]
 
         return self._call("all_gather", run)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` on every rank: one collective when its pickle fits in :data:`SLOT`, else two."""
+
         def run() -> Any:
             g = self.group
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             opts.rootTensor = 0
             data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == src else b""
-            size = torch.tensor([len(data)], dtype=torch.int64)
-            self._wait(g.broadcast([size], opts))
-            n = int(size.item())
-            buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == src
-                   else torch.empty(n, dtype=torch.uint8))
+            slot = _slot(data) if self.rank == src else torch.empty(SLOT, dtype=torch.uint8)
+            self._wait(g.broadcast([slot], opts))
+            n = _slot_length(slot)
+            if n <= SLOT - 8:
+                return obj if self.rank == src else pickle.loads(_to_bytes(slot[8:], n))
+            buf = _padded(data, n) if self.rank == src else torch.empty(n, dtype=torch.uint8)
             self._wait(g.broadcast([buf], opts))
             return obj if self.rank == src else pickle.loads(_to_bytes(buf, n))
 
