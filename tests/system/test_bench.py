@@ -9,7 +9,8 @@ from nostall.tools.bench import compare as bench
 
 
 def test_bench_smoke(tmp_path):
-    out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"))
+    out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"),
+                          small_mb=[1], small_reps=2)
     assert set(out) >= {"config", "machine", "systems", "loads", "training"}
     assert out["config"]["ranks"] == 2 and out["config"]["bytes_per_rank"] > 0
     assert set(out["systems"]) == set(bench.SYSTEMS) | set(bench.LIMITS)
@@ -18,6 +19,11 @@ def test_bench_smoke(tmp_path):
             assert len(r[field]) == 1 and all(math.isfinite(x) and x >= 0 for x in r[field]), (name, field)
         assert r["first_save"]["commit_s"] >= r["first_save"]["stall_s"] >= 0
         assert r["commit_s"][0] >= r["stall_s"][0]
+    small = out["small"]["1"]  # the small-state rows: nostall's async stall beside DCP's and the copy floor
+    assert small["bytes"] > 0
+    for field in ("copy", "nostall_async", "dcp_async_thread"):
+        assert len(small[field]) == 2 and all(math.isfinite(x) and x >= 0 for x in small[field]), field
+    assert out["interrupted"] is False
     assert set(out["loads"]) == {"nostall", "dcp", "read_floor"}
     assert {"baseline_step_s", "nostall_async", "nostall_overlap", "dcp_async_thread",
             "dcp_async_process"} <= set(out["training"])
@@ -26,6 +32,7 @@ def test_bench_smoke(tmp_path):
     json.dumps(out)  # JSON-able
     table = bench.format_table(out)
     assert "nostall_async" in table and "dcp_sync" in table and "nostall_overlap stall / nostall_async" in table
+    assert "small states, async stall" in table and "  1.0 MiB" in table
     png = tmp_path / "p.png"
     bench.plot(out, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -21,11 +21,17 @@ DEFAULT = "nostall.tools.bench.compare"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``nostall bench [MODE] ...``: run the benchmark MODE names (default: the comparison) with the rest."""
+    """``nostall bench [MODE] ...``: run the benchmark MODE names (default: the comparison) with the rest.
+
+    Ctrl-C: the benchmark's ranks stop quietly, and it returns 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in MODES:
         module, argv = MODES[argv[0]], argv[1:]
     else:
         module = DEFAULT
     run: Callable[[List[str]], int] = importlib.import_module(module).main
-    return run(argv)
+    try:
+        return run(argv)
+    except KeyboardInterrupt:  # Ctrl-C where a benchmark does not print its partial table itself
+        print("nostall bench: interrupted", file=sys.stderr)
+        return 130

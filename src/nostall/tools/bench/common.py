@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import socket
 import statistics
 import time
@@ -137,8 +138,10 @@ class TrainLoop:
 
 def _dcp_subprocess_quietly(*args: Any, **kwargs: Any) -> Any:
     """DCP's process executor's background process (see :func:`quiet_dcp_process`), with its
-    root logger at WARNING once DCP has set it up."""
+    root logger at WARNING once DCP has set it up, and leaving quietly on Ctrl-C (:func:`exit_on_sigint`)."""
     import logging
+
+    exit_on_sigint()
 
     from torch.distributed.checkpoint import _async_process_executor as ape
 
@@ -179,15 +182,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while :func:`gather_ranks` waited: ``partial`` holds each rank's last :func:`report_partial`."""
+
+    def __init__(self, partial: Dict[int, Any]) -> None:
+        super().__init__("interrupted")
+        self.partial = partial
+
+
+def exit_on_sigint() -> None:
+    """In a process the launcher started: Ctrl-C (SIGINT, which a terminal sends to the whole process
+    group) ends it at once, quietly, with status 130: the launcher prints what was measured."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
+
+def report_partial(q: Any, rank: int, result: Any) -> None:
+    """In a rank process: the results measured so far, which the launcher keeps in case of Ctrl-C."""
+    q.put((rank, {"partial": result}))
+
+
 def gather_ranks(worker: Callable[..., None], ranks: int, root: str, cfg: Dict[str, Any], timeout: float,
                  what: str = "benchmark") -> Dict[int, Any]:
     """Run ``worker(rank, ranks, init, root, cfg, queue)`` in ``ranks`` spawned processes and collect their results.
 
     Every benchmark mode launches its ranks with this: ``init`` is a
     ``tcp://127.0.0.1`` address for their gloo group, and each rank puts
-    ``(rank, result)`` on ``queue`` (a dict with ``"error"`` when it failed).
-    Raises if a rank fails or dies, or the whole run outlasts ``timeout``
-    seconds; no rank process is left on return.
+    ``(rank, result)`` on ``queue`` (a dict with ``"error"`` when it failed;
+    ``{"partial": ...}`` from :func:`report_partial` meanwhile). Raises if a
+    rank fails or dies, or the whole run outlasts ``timeout`` seconds, and
+    :class:`Interrupted` (with the partial results) on Ctrl-C; no rank
+    process is left on return.
     """
     import torch.multiprocessing as mp
 
@@ -196,22 +220,12 @@ def gather_ranks(worker: Callable[..., None], ranks: int, root: str, cfg: Dict[s
     init = f"tcp://127.0.0.1:{_free_port()}"
     pc = mp.start_processes(worker, args=(ranks, init, root, cfg, q), nprocs=ranks, join=False, start_method="spawn")
     per_rank: Dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
+    partial: Dict[int, Any] = {}
     try:
-        while len(per_rank) < ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"the {what} did not finish within {timeout:.0f}s")
-            try:
-                rank, r = q.get(timeout=min(5.0, left))
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise RuntimeError(f"a {what} rank died") from None
-                continue
-            if isinstance(r, dict) and "error" in r:
-                raise RuntimeError(f"rank {rank} failed: {r['error']}")
-            per_rank[rank] = r
+        _collect(q, pc.processes, ranks, time.monotonic() + timeout, timeout, what, per_rank, partial)
         pc.join(60)
+    except KeyboardInterrupt:
+        raise Interrupted(partial) from None
     finally:
         for p in pc.processes:
             if p.is_alive():
@@ -220,12 +234,34 @@ def gather_ranks(worker: Callable[..., None], ranks: int, root: str, cfg: Dict[s
     return per_rank
 
 
+def _collect(q: Any, procs: Sequence[Any], ranks: int, deadline: float, timeout: float, what: str,
+             per_rank: Dict[int, Any], partial: Dict[int, Any]) -> None:
+    """Read the ranks' messages into ``per_rank`` (results) and ``partial`` (results so far)."""
+    while len(per_rank) < ranks:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"the {what} did not finish within {timeout:.0f}s")
+        try:
+            rank, r = q.get(timeout=min(5.0, left))
+        except Exception:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError(f"a {what} rank died") from None
+            continue
+        if isinstance(r, dict) and "error" in r:
+            raise RuntimeError(f"rank {rank} failed: {r['error']}")
+        if isinstance(r, dict) and set(r) == {"partial"}:
+            partial[rank] = r["partial"]
+            continue
+        per_rank[rank] = r
+
+
 def serve_rank(rank: int, world: int, init: str, q: Any, body: Callable[[], Any]) -> None:
     """In a rank process that :func:`gather_ranks` started: join the gloo group at ``init``, put
     ``(rank, body())`` on ``q`` (or ``(rank, {"error": ...})`` when it raised, so that the launcher
-    does not wait forever), and leave the group."""
+    does not wait forever), and leave the group. Ctrl-C ends it quietly (:func:`exit_on_sigint`)."""
     import torch.distributed as dist
 
+    exit_on_sigint()
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=1800))
     try:

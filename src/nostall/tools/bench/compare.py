@@ -24,12 +24,20 @@ interleaved repetitions on that same state:
   floor of any stall that takes a copy) and ``write`` (the same bytes written
   sequentially to one file and fsynced: the floor of a durable save).
 
+Then small states (``--small-mb``, 1 and 16 MiB per rank by default: the
+fixed cost per save dominates there): the async stall of ``nostall_async``
+beside ``dcp_async_thread``'s and the copy floor, each save after the previous
+one is durable.
+
 For each: stall (how long the call kept the training loop from modifying its
 state), time until durable/committed, throughput, resident memory of the rank
 and of its helper processes; the first save separately. Then loads (same
 layout, and resharded to full tensors on every rank) and the training-side
 cost: step time of a small CPU model while a background save is written,
 relative to no save. See docs/benchmarks.md for the JSON schema.
+
+Ctrl-C stops the ranks quietly; the table of what was measured so far is
+printed, and ``nostall bench`` exits with status 130.
 """
 
 from __future__ import annotations
@@ -43,19 +51,20 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from nostall.tools.argtypes import storage_options_arg
 from nostall.tools.bench import MODES, main as bench_main
-from nostall.tools.bench.common import (TrainLoop, child_pids, full_template, gather_ranks, local_tensors, median,
-                                        quiet_dcp_process, reset_peaks, rss_mb, serve_rank, write_outputs,
-                                        zero_template)
+from nostall.tools.bench.common import (Interrupted, TrainLoop, child_pids, full_template, gather_ranks,
+                                        local_tensors, median, quiet_dcp_process, report_partial, reset_peaks, rss_mb,
+                                        serve_rank, write_outputs, zero_template)
 
 SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "dcp_sync", "dcp_async_thread", "dcp_async_process",
            "torch_save")
 REMOTE = "nostall_async_remote"  # only with --remote
 LIMITS = ("copy", "write")
 ASYNC = ("nostall_async", "nostall_overlap", REMOTE, "dcp_async_thread", "dcp_async_process")
+SMALL = ("copy", "nostall_async", "dcp_async_thread")  # the small-state rows
 
 
 # --------------------------------------------------------------------------- helpers (in the ranks)
@@ -93,6 +102,15 @@ def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
     return {"model": model, "optim": optim, "step": 0}, nbytes
 
 
+def _copy_into(buf: Any, tensors: List[Any]) -> None:
+    """The copy floor: ``tensors``' bytes into ``buf``, one after the other."""
+    pos = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
+        pos += n
+
+
 def _say(cfg: Dict[str, Any], rank: int, text: str) -> None:
     """A progress line on stderr (rank 0 only, when the launcher asked for them)."""
     if rank == 0 and cfg.get("progress"):
@@ -113,15 +131,15 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.logging_handlers"):
         logging.getLogger(name).setLevel(logging.WARNING)
     quiet_dcp_process()
-    serve_rank(rank, world, init, q, lambda: _Rank(rank, world, root, cfg, torch, dist, dcp, nostall).main())
+    serve_rank(rank, world, init, q, lambda: _Rank(rank, world, root, cfg, torch, dist, dcp, nostall, q).main())
 
 
 class _Rank:
     """One rank of ``nostall bench``: the state, every system's manager, and the phases it times."""
 
     def __init__(self, rank: int, world: int, root: str, cfg: Dict[str, Any], torch: Any, dist: Any, dcp: Any,
-                 nostall: Any) -> None:
-        self.rank, self.world, self.root, self.cfg = rank, world, root, cfg
+                 nostall: Any, q: Any) -> None:
+        self.rank, self.world, self.root, self.cfg, self.q = rank, world, root, cfg, q
         self.torch, self.dist, self.dcp, self.nostall = torch, dist, dcp, nostall
         self.systems: List[str] = cfg["systems"]
         self.reps: int = cfg["reps"]
@@ -131,6 +149,7 @@ class _Rank:
         self.buf.zero_()  # touched once: the copy floor never pays page faults
         self.raw = os.path.join(root, "raw")
         os.makedirs(self.raw, exist_ok=True)
+        self.small: Dict[str, Any] = {}
         self.res: Dict[str, Dict[str, Any]] = {
             s: {"stall_s": [], "commit_s": [], "throughput_gbps": [], "rss_mb": [], "helper_rss_mb": [],
                 "first_save": None}
@@ -188,14 +207,7 @@ class _Rank:
         return x, x
 
     def _copy_floor(self, rep: int) -> Tuple[float, float]:
-        def copy() -> None:
-            pos = 0
-            for t in self.tensors:
-                n = t.numel() * t.element_size()
-                self.buf[pos : pos + n].view(t.dtype).view(t.shape).copy_(t)
-                pos += n
-
-        return self._timed(copy)
+        return self._timed(lambda: _copy_into(self.buf, self.tensors))
 
     def _write_floor(self, rep: int) -> Tuple[float, float]:
         from nostall.storage import files as storage
@@ -211,13 +223,18 @@ class _Rank:
     def _nostall_async(self, rep: int, system: str) -> Tuple[float, float]:
         mgr = self._async_mgr(system)
         assert mgr is not None
+        stall, commit, _ = self._spaced_save(mgr, rep, self.state)
+        return stall, commit
+
+    def _spaced_save(self, mgr: Any, step: int, state: Any) -> Tuple[float, float, Any]:
+        """An async save once the previous one is durable: (stall, until durable, its stats)."""
         mgr.finalize_pending_saves()
         self.dist.barrier()
         t0 = time.perf_counter()
-        h = mgr.save(rep, self.state)
+        h = mgr.save(step, state)
         stall = time.perf_counter() - t0
-        h.result()
-        return stall, time.perf_counter() - t0
+        stats = h.result()
+        return stall, time.perf_counter() - t0, stats
 
     def _nostall_overlap(self, rep: int) -> Tuple[float, float]:
         mgr, loop = self.mgr_overlap, self.loop
@@ -240,9 +257,10 @@ class _Rank:
         d = os.path.join(self.root, "dcp_sync", f"r{rep}")
         return self._timed(lambda: self.dcp.save(self.state, checkpoint_id=d))
 
-    def _dcp_async_thread(self, rep: int) -> Tuple[float, float]:
+    def _dcp_async_thread(self, rep: int, state: Any = None, where: str = "dcp_async_thread") -> Tuple[float, float]:
         t0 = time.perf_counter()
-        f = self.dcp.async_save(self.state, checkpoint_id=os.path.join(self.root, "dcp_async_thread", f"r{rep}"))
+        f = self.dcp.async_save(self.state if state is None else state,
+                                checkpoint_id=os.path.join(self.root, where, f"r{rep}"))
         stall = time.perf_counter() - t0
         f.result()
         return stall, time.perf_counter() - t0
@@ -312,6 +330,44 @@ class _Rank:
                     continue
                 self._record(system, stall, commit)
                 self._drop_previous(system, rep)
+                self.report()
+
+    def report(self) -> None:
+        """Rank 0's results so far, for the table printed on Ctrl-C."""
+        if self.rank == 0:
+            report_partial(self.q, self.rank, {"bytes": self.nbytes, "systems": self.res, "small": self.small})
+
+    def small_states(self) -> Dict[str, Any]:
+        """The small-state rows: for each of ``small_mb``, the async stall of nostall_async, dcp_async_thread
+        and the copy floor (``small_reps`` saves of each after a first, every save once the last is durable)."""
+        for mb in self.cfg.get("small_mb", ()):
+            state, nbytes = _make_state(self.rank, self.world, mb)
+            tensors = local_tensors(state)
+            buf = self.torch.empty(nbytes, dtype=self.torch.uint8)
+            buf.zero_()
+            mgr = self.nostall.CheckpointManager(os.path.join(self.root, f"small-{mb}"), async_save=True, keep_last=2)
+            r: Dict[str, Any] = {"bytes": nbytes, "plan_s": [], "stage_s": [], **{s: [] for s in SMALL}}
+            self.small[str(mb)] = r
+            try:
+                mgr.prepare(state)
+                for rep in range(self.cfg["small_reps"] + 1):
+                    stall, _, stats = self._spaced_save(mgr, rep, state)
+                    dcp_stall, _ = self._dcp_async_thread(rep, state, f"dcp-small-{mb}")
+                    self._drop_previous(f"dcp-small-{mb}", rep)
+                    self.dist.barrier()
+                    t0 = time.perf_counter()
+                    _copy_into(buf, tensors)
+                    copy = time.perf_counter() - t0
+                    if rep:  # the first save of each is left out
+                        for key, x in (("nostall_async", stall), ("dcp_async_thread", dcp_stall), ("copy", copy),
+                                       ("plan_s", stats.plan_s), ("stage_s", stats.stage_s)):
+                            r[key].append(x)
+                self.say(f"small state {mb} MiB: async stall nostall {median(r['nostall_async']) * 1e3:.2f} ms, "
+                         f"dcp {median(r['dcp_async_thread']) * 1e3:.2f} ms, copy {median(r['copy']) * 1e3:.2f} ms")
+            finally:
+                mgr.close()
+            self.report()
+        return self.small
 
     def _record(self, system: str, stall: float, commit: float) -> None:
         r = self.res[system]
@@ -423,12 +479,13 @@ class _Rank:
 
     def main(self) -> Dict[str, Any]:
         self.saves()
+        small = self.small_states()
         loads = self.loads() if self.cfg["loads"] else {}
         replica_check = self.replica_check() if "nostall_sync" in self.systems else {}
         training = self.training() if self.cfg["train"] else {}
         self.close()
         return {"bytes": self.nbytes, "systems": self.res, "loads": loads, "training": training,
-                "replica_check": replica_check}
+                "replica_check": replica_check, "small": small}
 
 
 def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int, dist: Any) -> Dict[str, Any]:
@@ -461,12 +518,16 @@ def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int,
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
               train: bool = True, timeout: float = 1800.0, remote: Optional[str] = None,
               storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0,
-              progress: bool = False) -> Dict[str, Any]:
+              progress: bool = False, small_mb: Sequence[int] = (), small_reps: int = 10) -> Dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md).
 
     ``remote``: a URL under which ``nostall_async_remote`` saves (in a fresh
     ``bench-<id>`` prefix, removed afterwards). ``progress``: a line on stderr
     per system and repetition (``[bench] nostall_async rep 2/3: stall ...``).
+    ``small_mb``: the small states (MiB per rank) whose async stall is timed
+    ``small_reps`` times, after the rest (the result's ``small``).
+    Interrupted (Ctrl-C), it returns what rank 0 had measured, with
+    ``"interrupted": True``.
     """
     import torch
 
@@ -479,12 +540,17 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     run_id = f"bench-{os.getpid()}-{int(time.time())}"
     cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train, "remote": remote,
            "storage_options": storage_options, "run_id": run_id, "compute_ms": compute_ms,
-           "progress": progress}
+           "progress": progress, "small_mb": list(small_mb), "small_reps": small_reps}
     if progress:
         print(f"[bench] starting {ranks} ranks x {mb} MiB, {reps} repetition(s) after a first save of each of "
               f"{', '.join(list(LIMITS) + list(systems))}", file=sys.stderr, flush=True)
+    interrupted = False
     try:
         per_rank = gather_ranks(_worker, ranks, root, cfg, timeout)
+    except Interrupted as e:  # what rank 0 had measured (nothing when it was still starting)
+        interrupted = True
+        per_rank = {0: e.partial.get(0) or {"bytes": 0, "systems": {}, "small": {}}}
+        per_rank[0].update(loads={}, training={})
     finally:
         if own:
             shutil.rmtree(root, ignore_errors=True)
@@ -492,15 +558,17 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
             _remove_remote(f"{remote.rstrip('/')}/{run_id}", storage_options)
     r0 = per_rank[0]
     return {
+        "interrupted": interrupted,
         "config": {"ranks": ranks, "mb_per_rank": mb, "bytes_per_rank": r0["bytes"], "reps": reps,
                    "systems": systems, "backend": "gloo"},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "cuda": torch.cuda.is_available()},
-        "systems": {name: r0["systems"][name] for name in list(LIMITS) + systems},
+        "systems": {name: r0["systems"][name] for name in list(LIMITS) + systems if name in r0["systems"]},
         "per_rank": {str(k): v["systems"] for k, v in per_rank.items()},
         "loads": r0["loads"],
         "training": r0["training"],
         "replica_check": r0.get("replica_check", {}),
+        "small": r0.get("small", {}),
     }
 
 
@@ -511,16 +579,12 @@ def format_table(out: Dict[str, Any]) -> str:
     lines.append(f"{'system':<20}{'stall':>22}{'until durable':>24}{'GB/s':>7}{'peak MB':>9}{'helper pk':>10}"
                  f"{'first stall':>13}")
     s = out["systems"]
-    for name, r in s.items():
-        st, cm = r["stall_s"], r["commit_s"]
-        fs = r["first_save"]["stall_s"] if r["first_save"] else float("nan")
-        lines.append(
-            f"{name:<20}{median(st) * 1e3:>10.1f} ms ({min(st) * 1e3:.0f}-{max(st) * 1e3:.0f})"
-            f"{median(cm) * 1e3:>12.1f} ms ({min(cm) * 1e3:.0f}-{max(cm) * 1e3:.0f})"
-            f"{median(r['throughput_gbps']):>7.2f}{median(r['rss_mb']):>9.0f}{median(r['helper_rss_mb']):>10.0f}"
-            f"{fs * 1e3:>10.0f} ms"
-        )
+    lines += [_row(name, r) for name, r in s.items()]
     lines.append("")
+    lines += _small_table(out.get("small") or {})
+    if out.get("interrupted"):
+        lines += ["interrupted (Ctrl-C): the figures above are what was measured before it", ""]
+        s = {name: r for name, r in s.items() if r["stall_s"]}  # no ratios of what was not measured
     ns = s.get("nostall_async")
     if ns and "nostall_overlap" in s:
         ov = s["nostall_overlap"]
@@ -540,7 +604,7 @@ def format_table(out: Dict[str, Any]) -> str:
     if "nostall_sync" in s and "dcp_sync" in s:
         lines.append(f"  nostall_sync / dcp_sync (until durable) = "
                      f"{median(s['nostall_sync']['commit_s']) / median(s['dcp_sync']['commit_s']):.3f}")
-    if "nostall_sync" in s:
+    if "nostall_sync" in s and "write" in s:
         lines.append(f"  nostall_sync / write floor (until durable) = "
                      f"{median(s['nostall_sync']['commit_s']) / median(s['write']['commit_s']):.3f}")
     rc = out.get("replica_check")
@@ -564,6 +628,33 @@ def format_table(out: Dict[str, Any]) -> str:
                              f"(x{r['slowdown']:.2f} of {r['baseline_step_s'] * 1e3:.2f} ms just before; "
                              f"{r['steps']} steps)")
     return "\n".join(lines)
+
+
+def _row(name: str, r: Dict[str, Any]) -> str:
+    """A system's row of the table ("-" for what was not measured: an interrupted run)."""
+    st, cm = r["stall_s"], r["commit_s"]
+    first = f"{r['first_save']['stall_s'] * 1e3:>10.0f} ms" if r["first_save"] else f"{'-':>13}"
+    if not st:
+        return f"{name:<20}{'-':>22}{'-':>24}{'-':>7}{'-':>9}{'-':>10}{first}"
+    return (f"{name:<20}{median(st) * 1e3:>10.1f} ms ({min(st) * 1e3:.0f}-{max(st) * 1e3:.0f})"
+            f"{median(cm) * 1e3:>12.1f} ms ({min(cm) * 1e3:.0f}-{max(cm) * 1e3:.0f})"
+            f"{median(r['throughput_gbps']):>7.2f}{median(r['rss_mb']):>9.0f}{median(r['helper_rss_mb']):>10.0f}{first}")
+
+
+def _small_table(small: Dict[str, Any]) -> List[str]:
+    """The small-state rows: nostall's async stall beside DCP's and the copy floor (medians, rank 0)."""
+    if not small:
+        return []
+    lines = ["small states, async stall (medians of rank 0, each save after the last is durable)",
+             f"{'per rank':<10}{'saves':>6}{'copy':>10}{'nostall_async':>15}{'dcp_async_thread':>18}"
+             f"{'nostall/dcp':>13}{'nostall-copy':>14}"]
+    for r in small.values():
+        if not r["nostall_async"]:
+            continue  # interrupted before its saves
+        ns, dc, cp = (median(r[k]) * 1e3 for k in SMALL[1:] + SMALL[:1])
+        lines.append(f"{r['bytes'] / 2**20:>5.1f} MiB{len(r['nostall_async']):>6}{cp:>7.2f} ms{ns:>12.2f} ms"
+                     f"{dc:>15.2f} ms{ns / dc if dc else float('nan'):>13.2f}{ns - cp:>11.2f} ms")
+    return lines + [""]
 
 
 def plot(out: Dict[str, Any], path: str) -> None:
@@ -636,6 +727,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="also save to this object-storage URL (nostall_async_remote; default: none)")
     ap.add_argument("--storage-options", type=storage_options_arg, default=None, metavar="JSON",
                     help="fsspec options for --remote, as a JSON object")
+    ap.add_argument("--small-mb", default="1,16", metavar="LIST",
+                    help="small states (comma-separated MiB per rank) whose async stall is timed beside DCP's and "
+                         "the copy floor, after the rest ('' for none; default: %(default)s)")
+    ap.add_argument("--small-reps", type=int, default=20, metavar="N",
+                    help="saves of each small state after a first (default: %(default)s)")
     ap.add_argument("--quiet", action="store_true",
                     help="no progress lines on stderr (default: one per system and repetition)")
     args = ap.parse_args(argv)
@@ -645,9 +741,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
                     train=not args.no_train, remote=args.remote, storage_options=args.storage_options,
-                    compute_ms=args.compute_ms, progress=not args.quiet)
-    write_outputs(out, format_table(out), args.json, args.plot, plot)
-    return 0
+                    compute_ms=args.compute_ms, progress=not args.quiet,
+                    small_mb=[int(x) for x in args.small_mb.split(",") if x], small_reps=args.small_reps)
+    write_outputs(out, format_table(out), args.json, None if out["interrupted"] else args.plot, plot)
+    return 130 if out["interrupted"] else 0
 
 
 if __name__ == "__main__":
