@@ -1,10 +1,12 @@
-"""Runs the fenced code blocks of README.md and docs/*.md (driven by tests/test_docs.py).
+"""Runs the fenced code blocks of README.md and docs/*.md (driven by tests/system/test_docs.py).
 
 What a fence's info string means (the first word is the language, as for
 any Markdown renderer; the rest is read here):
 
-    ```python            run. The python blocks of one file run in order in one
-                         namespace (like a notebook), in a fresh working directory.
+    ```python            run, standing alone: a fresh process and an empty namespace
+                         (see "Every block stands alone" below), in the file's working
+                         directory, so it sees the files earlier blocks wrote but none
+                         of their names.
     ```python ranks=2    run on 2 gloo ranks: 2 fresh processes with torchrun's
                          environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE,
                          LOCAL_RANK) in the file's working directory. The block
@@ -15,7 +17,7 @@ any Markdown renderer; the rest is read here):
                          the python blocks, in the same working directory, so they see
                          the checkpoints those made. Every command line must be one.
                          A plain one calls the console script's entry point
-                         (nostall.tools.cli:main) in the file's process; one with shell
+                         (nostall.tools.cli:main) in the block's process; one with shell
                          syntax runs in bash. A nonzero exit fails the block.
     ```text              an output sample, a directory tree, a schema: not code.
     ```LANG norun: why   not run, for the reason given (a reason is required).
@@ -25,16 +27,30 @@ is an error: every block either runs or says why not.
 
 Hidden setup: ``<!-- setup: CODE -->`` right before a fence is python run
 first, in the block's namespace (for a ranks block, on every rank). It sees
-``_docs``, whose ``s3(bucket)`` starts a local S3-compatible server (moto,
-tests/s3_server.py; the test session's server when the test passes its URL in
-NOSTALL_DOCS_S3_URL), creates the bucket, puts test credentials in the
-environment and returns the endpoint URL.
+``_docs``, whose ``s3(bucket)`` creates ``bucket`` on a local S3-compatible
+server (moto, tests/s3_server.py: the test session's server when the test
+passes its URL in NOSTALL_DOCS_S3_URL, else one the runner starts for the
+file), puts test credentials in the environment and returns the endpoint URL.
 
-Each file runs in its own process (``python -m tests.docs_runner FILE RESULT``),
-so a block's global state, threads, managers and process groups do not leak
-into the test process. A failure names the file, the line of the block's
-first line of code, and the traceback: code is compiled under the Markdown
-file's path at its own line numbers, so tracebacks point into the file.
+Every block stands alone: a reader may copy any one block and run it. Each
+python and sh block runs in a process of its own, forked from the file's
+runner before any block ran in it (the runner has only imported torch,
+nostall and the modules the file's blocks import, so that a block does not
+pay for those imports again), with an empty namespace: a block that uses a
+name an earlier block defined fails with a NameError. Files (checkpoints an
+earlier block wrote) are shared through the working directory, as they would
+be for a reader running the blocks one after the other.
+
+Notebook mode: a file with the line ``<!-- docs-runner: notebook -->`` runs
+its python and sh blocks in order in the runner's process and one namespace,
+each block seeing the names earlier ones defined (for a document written as
+one continuing session).
+
+Each file runs in its own process (``python -m tests.docs_runner FILE WORKDIR RESULT``),
+so nothing of its blocks leaks into the test process. A failure names the
+file, the line of the block's first line of code, and the traceback: code is
+compiled under the Markdown file's path at its own line numbers, so
+tracebacks point into the file. The file stops at its first failure.
 """
 
 from __future__ import annotations
@@ -56,11 +72,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS_TIMEOUT_S = 90.0  # a ranks block (2 process starts + the block); a hang guard, not a speed check
 SH_TIMEOUT_S = 60.0  # one CLI command
 FAILED_RANK_GRACE_S = 5.0  # after one rank failed, how long the others get before they are killed
+BLOCK_TIMEOUT_S = 180.0  # one python or sh block in its own process; a hang guard, not a speed check
+NOTEBOOK = "<!-- docs-runner: notebook -->"  # a file's line: its blocks share one process and namespace
 
 _FENCE = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _SETUP = re.compile(r"<!--\s*setup:(?P<code>.*?)-->\s*$", re.S)
 _NORUN = re.compile(r"\bnorun\b:?\s*(?P<why>.*)$")
 _RANKS = re.compile(r"\branks=(?P<n>\d+)\b")
+_IMPORT = re.compile(r"^\s*(?:from\s+(?P<src>[\w.]+)\s+import\b|import\s+(?P<mods>[\w., ]+))", re.M)
 
 
 @dataclass
@@ -233,6 +252,15 @@ class _DocsHelpers:
             self._buckets.add(bucket)
         return url
 
+    def serve(self) -> None:
+        """Start this file's S3-compatible server now, unless the test session's is given, and name it in
+        NOSTALL_DOCS_S3_URL for the blocks' processes."""
+        if os.environ.get("NOSTALL_DOCS_S3_URL") is None:
+            from tests.s3_server import S3Server
+
+            self._s3 = S3Server()
+            os.environ["NOSTALL_DOCS_S3_URL"] = self._s3.url
+
     def close(self) -> None:
         if self._s3 is not None:
             self._s3.stop()
@@ -379,19 +407,125 @@ def _rank_main(spec_path: str, out_path: str) -> None:
     sys.exit(0 if error is None else 1)
 
 
-def run_file(path: str, workdir: str, result_path: str) -> None:
-    """Run every runnable block of ``path`` in order, with ``workdir`` as the working directory.
+def notebook(path: str) -> bool:
+    """Whether the file asks for notebook mode (its blocks in one process and namespace)."""
+    with open(path, encoding="utf-8") as f:
+        return any(line.strip() == NOTEBOOK for line in f)
 
-    Stops at the first failure (later blocks build on earlier ones). Writes
-    ``{"ran": [lines], "failure": null | {"line", "error"}}`` to ``result_path``.
+
+def _run_block(b: Block, kind: str, ns: Dict[str, Any], workdir: str) -> None:
+    """A python or sh block (its hidden setup first) in namespace ``ns``, in this process."""
+    if kind == "python":
+        _run_python(b, ns)
+    else:
+        if b.setup is not None:
+            _run_python(Block(b.path, b.line, "python", "", b.setup, b.setup_line), ns)
+        _run_sh(b, workdir)
+
+
+def _warm_imports(blocks: List[Block]) -> None:
+    """Import torch, nostall, the CLI and the modules the file's python blocks import, in the runner,
+    before any block runs: each block's process is forked from it and finds them imported. A module
+    that fails to import is left to the block that imports it (it fails there, with its own line)."""
+    names = {"torch", "torch.distributed", "torch._dynamo", "nostall", "nostall.tools.cli"}  # an optimizer's
+    # first step imports torch._dynamo (about 800 modules)
+    for b in blocks:
+        if classify(b)[0] != "python":
+            continue
+        for m in _IMPORT.finditer(b.code):
+            if m.group("src"):
+                names.add(m.group("src"))
+            else:
+                names.update(part.split()[0] for part in m.group("mods").split(",") if part.strip())
+    import importlib
+
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    import nostall
+
+    for public in nostall.__all__:  # nostall imports the modules behind its public names on first use
+        getattr(nostall, public)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the forked blocks' collections then skip (and do not copy-on-write) the runner's objects
+
+
+def _in_own_process(b: Block, kind: str, workdir: str) -> None:
+    """Run a python or sh block in a child forked from this runner, with an empty namespace; raise its
+    failure here. The child closes what the block left open (pending saves, process groups) before it
+    exits, and is killed if it runs past BLOCK_TIMEOUT_S."""
+    fd, out = tempfile.mkstemp(prefix="nostall-docs-block-", suffix=".json")
+    os.close(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the block's process: never returns into the runner's loop
+        code = 1
+        try:
+            helpers = _DocsHelpers()
+            ns: Dict[str, Any] = {"__name__": "__main__", "_docs": helpers}
+            failure: Optional[Dict[str, Any]] = None
+            try:
+                _run_block(b, kind, ns, workdir)
+            except BlockFailed as e:
+                failure = {"line": e.line, "error": e.error}
+            except BaseException:
+                failure = {"line": b.code_line, "error": traceback.format_exc()}
+            try:
+                _finish(ns)
+            except BaseException:
+                failure = failure or {"line": b.code_line, "error": "closing what the block left open failed:\n"
+                                                                    + traceback.format_exc()}
+            helpers.close()
+            with open(out, "w") as f:
+                json.dump({"failure": failure}, f)
+            code = 0
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + BLOCK_TIMEOUT_S
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise BlockFailed(b, b.code_line, f"did not finish within the runner's bound ({BLOCK_TIMEOUT_S:g}s)")
+            time.sleep(0.02)
+        try:
+            with open(out) as f:
+                failure = json.load(f)["failure"]
+        except (OSError, ValueError):
+            raise BlockFailed(b, b.code_line, "the block's process ended without a result") from None
+        if failure is not None:
+            raise BlockFailed(b, failure["line"], failure["error"])
+    finally:
+        os.unlink(out)
+
+
+def run_file(path: str, workdir: str, result_path: str) -> None:
+    """Run every runnable block of ``path`` in order, with ``workdir`` as the working directory: each
+    in a process of its own (see the module's docstring), or all in this one (notebook mode).
+
+    Stops at the first failure. Writes ``{"ran": [lines], "failure": null | {"line", "error"},
+    "mode": "standalone" | "notebook"}`` to ``result_path``.
     """
     blocks = parse(path)
     helpers = _DocsHelpers()
     ns: Dict[str, Any] = {"__name__": "__main__", "_docs": helpers}
-    result: Dict[str, Any] = {"ran": [], "failure": None}
+    shared = notebook(path)
+    result: Dict[str, Any] = {"ran": [], "failure": None, "mode": "notebook" if shared else "standalone"}
     old = os.getcwd()
     os.chdir(workdir)
     try:
+        if not shared:
+            if any("_docs.s3(" in (b.setup or "") for b in blocks):
+                helpers.serve()
+            _warm_imports(blocks)
         for b in blocks:
             kind, detail = classify(b)
             if kind == "skip":
@@ -399,14 +533,12 @@ def run_file(path: str, workdir: str, result_path: str) -> None:
             print(f"=== {b.where()} ({kind}{' ' + detail if detail else ''})", flush=True)
             if kind == "error":
                 raise BlockFailed(b, b.line, detail)
-            if kind == "python":
-                _run_python(b, ns)
-            elif kind == "ranks":  # its setup runs on each rank
+            if kind == "ranks":  # its setup runs on each rank
                 _run_ranks(b, int(detail), workdir)
-            elif kind == "sh":
-                if b.setup is not None:
-                    _run_python(Block(b.path, b.line, "python", "", b.setup, b.setup_line), ns)
-                _run_sh(b, workdir)
+            elif shared:
+                _run_block(b, kind, ns, workdir)
+            else:
+                _in_own_process(b, kind, workdir)
             result["ran"].append(b.code_line)
     except BlockFailed as e:
         result["failure"] = {"line": e.line, "error": e.error}
@@ -423,13 +555,15 @@ def run_file(path: str, workdir: str, result_path: str) -> None:
 
 
 def _finish(ns: Dict[str, Any]) -> None:
-    """Close what the blocks left open while the working directory and the S3 server still exist."""
+    """Close what the blocks left open while the working directory and the S3 server still exist, in the
+    order of an interpreter's exit: the exit handlers first (pending saves of managers the blocks did not
+    close: a manager's handler holds it weakly, so it must still be alive), then the names."""
     import atexit
     import gc
 
+    atexit._run_exitfuncs()
     ns.clear()
     gc.collect()
-    atexit._run_exitfuncs()  # pending saves of managers the blocks did not close
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

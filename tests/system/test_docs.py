@@ -1,9 +1,11 @@
 """Every fenced code block of README.md and docs/*.md runs, or says why not.
 
 How blocks are marked and run: tests/docs_runner.py. Each file runs in its
-own process, in a fresh working directory. The files run two at a time (the
-first test of the module starts them all, each test waits for its own file's
-result): one process per file, so the second core is not idle meanwhile.
+own process, in a fresh working directory, and each of its blocks in a process
+of its own with an empty namespace (every block stands alone), unless the file
+is marked for notebook mode. The files run two at a time (the first test of
+the module starts them all, each test waits for its own file's result): one
+runner per file, so the second core is not idle meanwhile.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ def test_blocks_run(name, doc_runs):
 
 SAMPLE = '''# sample
 
+<!-- docs-runner: notebook -->
+
 ```python
 x = 1
 ```
@@ -156,6 +160,64 @@ def test_runner_classifies_and_reports_the_failing_line(tmp_path):
     assert "ValueError: boom" in result["failure"]["error"]
     assert f'File "{doc}", line {blocks[5].code_line + 1}' in result["failure"]["error"]
     assert "z 43" in result["output"] and (work / "made").is_dir()
+
+
+STANDALONE = '''# a README
+
+```python
+import torch, nostall
+model = torch.nn.Linear(2, 2)
+nostall.save({"w": model.weight}, "ckpt")
+```
+
+```python
+import os
+assert os.path.isfile("ckpt/manifest.json")   # files are shared through the working directory
+```
+
+```python
+nostall.load({"w": model.weight}, "ckpt")     # names are not: this block forgot its imports
+```
+'''
+
+
+def test_each_block_stands_alone(tmp_path):
+    """A block that uses a name an earlier block defined fails (a NameError at its line), unless the file
+    is in notebook mode; files earlier blocks wrote are there."""
+    doc = tmp_path / "README.md"
+    doc.write_text(STANDALONE)
+    blocks = parse(str(doc))
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_doc(str(doc), str(work))
+    assert result["mode"] == "standalone"
+    assert result["ran"] == [blocks[0].code_line, blocks[1].code_line]
+    assert result["failure"]["line"] == blocks[2].code_line
+    assert "NameError: name 'nostall' is not defined" in result["failure"]["error"]
+
+    doc.write_text(STANDALONE.replace("# a README\n", "# a session\n\n" + docs_runner.NOTEBOOK + "\n"))
+    notebook_work = tmp_path / "notebook"
+    notebook_work.mkdir()
+    result = run_doc(str(doc), str(notebook_work))
+    assert result["mode"] == "notebook" and result["failure"] is None, result
+    assert len(result["ran"]) == 3
+
+
+def test_a_block_runs_in_a_process_of_its_own(tmp_path):
+    """Module state, process ids and open managers do not carry from one block to the next."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("```python\nimport os, nostall\nnostall._docs_mark = os.getpid()\n"
+                   "open('pids', 'w').write(str(os.getpid()))\n"
+                   "mgr = nostall.CheckpointManager('ckpts', async_save=True)\n"
+                   "import torch\nmgr.save(1, {'w': torch.ones(2)})\n```\n\n"
+                   "```python\nimport os, nostall\nassert not hasattr(nostall, '_docs_mark')\n"
+                   "assert open('pids').read() != str(os.getpid())\n"
+                   "assert nostall.CheckpointManager('ckpts').latest_step() == 1   # the pending save committed\n```\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    result = run_doc(str(doc), str(work))
+    assert result["failure"] is None, result
+    assert result["ran"] == [b.code_line for b in parse(str(doc))]
 
 
 def test_runner_refuses_unmarked_blocks(tmp_path):
