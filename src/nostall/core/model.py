@@ -19,6 +19,7 @@ and joined with ``/`` (``optimizer/state/0/exp_avg``). Containers nest at most
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, field
@@ -228,31 +229,44 @@ def _dtensor_type() -> Optional[type]:
 
 def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:
     """Local tensor, global offset, global shape and main-replica flag of a DTensor."""
+    gshape = tuple(int(x) for x in dt.shape)
+    where = (dt.device_mesh, tuple(dt.placements), gshape)
+    try:
+        try:
+            shape, offset, main = _dtensor_layout(*where)
+        except TypeError:  # a placement that cannot be hashed: computed each time
+            shape, offset, main = _dtensor_layout.__wrapped__(*where)
+    except ValueError as e:
+        raise InvalidStateError(f"key {key!r}: {e}") from None
+    local = dt.to_local()
+    if tuple(local.shape) != shape:
+        raise InvalidStateError(
+            f"key {key!r}: DTensor local shape {tuple(local.shape)} differs from the expected {shape}"
+        )
+    return local, offset, gshape, main
+
+
+@functools.lru_cache(maxsize=4096)  # a save's every DTensor, each save: the same few layouts
+def _dtensor_layout(mesh: Any, placements: Tuple[Any, ...], gshape: Shape) -> Tuple[Shape, Shape, bool]:
+    """This rank's local shape, global offset and main-replica flag of a DTensor laid out so; ValueError
+    (the reason) when it cannot be saved."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
-        raise InvalidStateError(f"key {key!r}: this rank is not part of the DTensor's device mesh")
+        raise ValueError("this rank is not part of the DTensor's device mesh")
     main = True
-    for dim, p in enumerate(dt.placements):
+    for dim, p in enumerate(placements):
         if isinstance(p, Shard) or type(p).__name__ == "_StridedShard":
             continue  # _StridedShard: FSDP2 over TP on the same dim (a contiguous box per rank)
         if isinstance(p, Replicate):
             main = main and coord[dim] == 0
             continue
-        raise InvalidStateError(
-            f"key {key!r}: DTensor placement {p!r} is not supported (only Shard and Replicate; "
-            "reduce Partial tensors before saving)"
-        )
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-    local = dt.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise InvalidStateError(
-            f"key {key!r}: DTensor local shape {tuple(local.shape)} differs from the expected {tuple(shape)}"
-        )
-    return local, tuple(int(x) for x in offset), tuple(int(x) for x in dt.shape), main
+        raise ValueError(f"DTensor placement {p!r} is not supported (only Shard and Replicate; "
+                         "reduce Partial tensors before saving)")
+    shape, offset = compute_local_shape_and_global_offset(torch.Size(gshape), mesh, placements)
+    return tuple(int(x) for x in shape), tuple(int(x) for x in offset), main
 
 
 def as_sharded(value: Any, key: str) -> Optional[ShardedTensor]:
