@@ -185,7 +185,8 @@ class CheckpointManager:
         self._attached: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers attached by save(optimizer=)
         self._lock = threading.RLock()
         self._closed = False
-        self._pending: Optional[Tuple[PendingSave, SaveHandle]] = None
+        self._exit_hold: List["CheckpointManager"] = []  # self while a save is pending (see _pending)
+        self._pending_save: Optional[Tuple[PendingSave, SaveHandle]] = None
         self._closing = False  # close() has begun: it waits (lock released) for commit callbacks
         self._handles: List[SaveHandle] = []  # handles whose commit callbacks may be due or running (close waits)
         self._unraised: Optional[CheckpointSaveError] = None  # a failure not yet reported to the caller
@@ -213,11 +214,14 @@ class CheckpointManager:
 
     def _install_exit_handlers(self) -> None:
         """__init__, phase 3: close at exit (a weak reference: the manager may be collected first), and
-        SIGTERM as a normal exit while async saves may be pending (main thread only)."""
+        SIGTERM as a normal exit while async saves may be pending (main thread only). While a save is
+        pending the handler holds the manager (``_exit_hold``): a manager dropped with a save in flight
+        lives until exit, where its save is finalized, never silently lost."""
         ref = weakref.ref(self)
+        hold = self._exit_hold
 
         def at_exit() -> None:
-            m = ref()
+            m = hold[0] if hold else ref()
             if m is not None:
                 m._close_at_exit()
 
@@ -227,6 +231,16 @@ class CheckpointManager:
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, _sigterm_to_exit)
                 self._sigterm_installed = True
+
+    @property
+    def _pending(self) -> Optional[Tuple[PendingSave, SaveHandle]]:
+        """The save in flight (async) and its handle; None when every save is settled."""
+        return self._pending_save
+
+    @_pending.setter
+    def _pending(self, value: Optional[Tuple[PendingSave, SaveHandle]]) -> None:
+        self._pending_save = value
+        self._exit_hold[:] = [] if value is None else [self]  # the exit handler holds a manager with a pending save
 
     @property
     def async_save(self) -> bool:
