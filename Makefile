@@ -9,8 +9,8 @@
 #
 # TORCH_INDEX (default: PyTorch's CPU wheels) is an extra index for the torch install line only, so that a
 # plain Linux machine gets the CPU build of torch (PyPI's is a CUDA build of several GB); TORCH_INDEX= (empty)
-# for none, e.g. where pip already has a torch wheel at hand (find-links, a local index). An unreachable index
-# only costs pip's retries: the wheel is then taken from the other indexes.
+# for none, e.g. where pip already has a torch wheel at hand (find-links, a local index). The index is probed
+# first (10 s at most): an unreachable one is left out with a note, and torch comes from pip's configured index.
 
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
@@ -23,7 +23,6 @@ VENV  := .venv
 VPY   := $(VENV)/bin/python
 PIP   := $(VPY) -m pip
 STAMP := $(VENV)/.stamp
-TORCH_INDEX_ARG := $(if $(strip $(TORCH_INDEX)),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: venv demo test test-fast test-burn clean
 
@@ -35,7 +34,12 @@ venv: $(STAMP)
 # so pip cannot replace it.
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(TORCH_INDEX_ARG) "torch==$(TORCH_VERSION)"
+	@idx="$(strip $(TORCH_INDEX))"; \
+	if [ -n "$$idx" ] && ! $(VPY) -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" "$$idx" 2>/dev/null; then \
+		echo "note: TORCH_INDEX $$idx is unreachable: torch comes from pip's configured index"; idx=""; \
+	fi; \
+	echo "$(PIP) install -q $${idx:+--extra-index-url $$idx} torch==$(TORCH_VERSION)"; \
+	$(PIP) install -q $${idx:+--extra-index-url $$idx} "torch==$(TORCH_VERSION)"
 	$(PIP) install -q -e ".[test]" "torch==$(TORCH_VERSION)"
 	@touch $@
 
