@@ -128,6 +128,9 @@ def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q:
 
     import nostall
 
+    # torch is imported before this runs (the launcher's spawn wrapper is torch's): the variable alone comes too late
+    torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"] or 1)))
+
     for name in ("torch.distributed.checkpoint", "torch.distributed.checkpoint.logging_handlers"):
         logging.getLogger(name).setLevel(logging.WARNING)
     quiet_dcp_process()
@@ -350,14 +353,15 @@ class _Rank:
             self.small[str(mb)] = r
             try:
                 mgr.prepare(state)
-                for rep in range(self.cfg["small_reps"] + 1):
-                    stall, _, stats = self._spaced_save(mgr, rep, state)
-                    dcp_stall, _ = self._dcp_async_thread(rep, state, f"dcp-small-{mb}")
-                    self._drop_previous(f"dcp-small-{mb}", rep)
+                for rep in range(self.cfg["small_reps"] + 1):  # the limit first, as above
                     self.dist.barrier()
                     t0 = time.perf_counter()
                     _copy_into(buf, tensors)
                     copy = time.perf_counter() - t0
+                    stall, _, stats = self._spaced_save(mgr, rep, state)
+                    self.dist.barrier()
+                    dcp_stall, _ = self._dcp_async_thread(rep, state, f"dcp-small-{mb}")
+                    self._drop_previous(f"dcp-small-{mb}", rep)
                     if rep:  # the first save of each is left out
                         for key, x in (("nostall_async", stall), ("dcp_async_thread", dcp_stall), ("copy", copy),
                                        ("plan_s", stats.plan_s), ("stage_s", stats.stage_s)):
