@@ -1,0 +1,157 @@
+"""The projection of ``nostall bench scale``: what one rank pays as the job grows, each figure labelled.
+
+From the planning points (one per rank count, at the largest tensor count
+measured) and, when the load part ran, the load points:
+
+* the plan on a rank's training thread at a first save: the decode of the
+  gathered metadata, ``build_plan`` and ``shared_keys`` on every rank, and on
+  rank 0 the manifest skeleton too;
+* the bytes a rank sends and receives in the plan exchange, and the done
+  records rank 0 reads at a background save's commit;
+* at load, the manifest bytes a rank reads and its parse time (every rank
+  reads and parses the whole manifest);
+* the load of one rank's share in its saved layout, computed from the load
+  part: a least-squares fit of a rank's load there, less its manifest parse,
+  on the checkpoint's pieces, the rank's own pieces and its bytes, applied to
+  the synthetic job's rank.
+
+A figure is ``measured``, or ``computed (how)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from nostall.tools.bench.common import median
+
+MEASURED = "measured"
+COUNTED = "measured (counted from the real encodings)"
+
+
+def _cell(value: float, how: str) -> Dict[str, Any]:
+    return {"value": value, "how": how}
+
+
+def load_fit(load: Sequence[Dict[str, Any]]) -> Optional[Dict[str, float]]:
+    """Seconds of one rank's load in the saved layout, less its manifest parse, as ``fixed_per_own_piece`` x its
+    pieces + ``per_checkpoint_piece`` x the checkpoint's pieces + ``per_byte`` x its bytes (least squares over
+    the load points; the fixed cost of a load call is counted as its pieces', an upper bound), and the raw read's
+    bytes per second. None with fewer than three points."""
+    import numpy as np
+
+    if len(load) < 3:
+        return None
+    rows = [[1.0, p["pieces"] * p["tensors"], p["rank_bytes"]] for p in load]
+    ys = [median(p["same_layout_rank_s"]) - median(p["parse_s"]) for p in load]
+    (a, b, c), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    own = load[0]["tensors"]  # a rank loads one piece of each tensor there
+    return {"fixed_per_own_piece": max(0.0, float(a)) / own, "per_checkpoint_piece": max(0.0, float(b)),
+            "per_byte": max(0.0, float(c)),
+            "raw_bytes_per_s": median([p["bytes"] / median(p["raw_read_s"]) for p in load])}
+
+
+def _how(point: Dict[str, Any], fields: Sequence[str], what: str) -> str:
+    notes = [f"{f}: {point['computed'][f]}" for f in fields if f in point["computed"]]
+    return MEASURED + f" ({what})" if not notes else "computed: " + "; ".join(notes)
+
+
+def _load_share(p: Dict[str, Any], fit: Dict[str, float]) -> Dict[str, Any]:
+    meta = (fit["fixed_per_own_piece"] * p["rank_pieces"] + fit["per_checkpoint_piece"] * p["pieces"]
+            + fit["per_byte"] * p["rank_bytes"])
+    raw = p["rank_bytes"] / fit["raw_bytes_per_s"]
+    parse = median(p["parse_s"])
+    return _cell(parse + meta + raw,
+                 f"computed: the manifest parse ({'measured' if 'parse_s' not in p['computed'] else 'computed'}) + "
+                 f"the load part's fit, {fit['fixed_per_own_piece'] * 1e3:.3f} ms x the rank's pieces + "
+                 f"{fit['per_checkpoint_piece'] * 1e6:.2f} us x the checkpoint's pieces + "
+                 f"{fit['per_byte'] * 2**30:.3f} s/GiB x the rank's bytes, + the raw read of its bytes at "
+                 f"{fit['raw_bytes_per_s'] / 2**30:.1f} GiB/s (page cache)")
+
+
+def _rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The projection's cells of one planning point."""
+    thread = p["gather_decode_s"] + median(p["plan_s"]) + p["shared_keys_s"]
+    ex = p["exchange"]["per_rank"]
+    commit = p["commit"]["async"]
+    how_commit = COUNTED if "commit" not in p["computed"] else "computed: " + p["computed"]["commit"]
+    return {
+        "pieces": _cell(p["pieces"], MEASURED + " (the plan's; distinct boxes where the plan is computed)"),
+        "rank_share": _cell(p["rank_bytes"], f"{MEASURED} (its {p['rank_pieces']:,} pieces' bytes)"),
+        "plan_thread_other": _cell(thread, _how(p, ["plan_s"], "decode + build_plan + shared_keys")),
+        "plan_thread_rank0": _cell(thread + p["skeleton_s"], _how(p, ["plan_s", "skeleton_s"],
+                                                                   "the same + manifest skeleton")),
+        "exchange_sent": _cell(ex["sent_bytes"], COUNTED),
+        "exchange_received": _cell(ex["received_bytes"], COUNTED),
+        "commit_rank0_reads": _cell(commit["rank0_reads_bytes"], how_commit),
+        "commit_other_reads": _cell(commit["other_reads_bytes"], COUNTED),
+        "manifest_read": _cell(p["manifest_bytes"], _how(p, ["manifest_bytes"], "the manifest's size")),
+        "manifest_parse": _cell(median(p["parse_s"]), _how(p, ["parse_s"], "Manifest.from_json_bytes")),
+    }
+
+
+ROWS = (
+    ("pieces", "count", "pieces in the checkpoint"),
+    ("rank_share", "bytes", "one rank's share of the data"),
+    ("plan_thread_other", "s", "plan on the training thread at a first save, a non-zero rank"),
+    ("plan_thread_rank0", "s", "plan on the training thread at a first save, rank 0"),
+    ("exchange_sent", "bytes", "plan exchange: bytes a rank sends (its own messages; rank 0 and the others alike)"),
+    ("exchange_received", "bytes", "plan exchange: bytes a rank receives (rank 0 and the others alike)"),
+    ("commit_rank0_reads", "bytes", "commit of a background save: done records rank 0 reads"),
+    ("commit_other_reads", "bytes", "commit of a background save: what a non-zero rank reads (the outcome)"),
+    ("manifest_read", "bytes", "load: manifest bytes every rank reads"),
+    ("manifest_parse", "s", "load: manifest parse on every rank"),
+    ("load_share", "s", "load of one rank's share (saved layout), manifest parse included"),
+)
+"""The projection's rows: key, unit, what."""
+
+
+def projection(out: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The projection rows of ``out`` (a ``nostall bench scale`` result): ``{"key", "unit", "what", "tensors",
+    "cells": {ranks: {"value", "how"}}}``; empty without planning points."""
+    points = [p for p in out.get("planning") or [] if "plan_s" in p]
+    if not points:
+        return []
+    tensors = max(p["tensors"] for p in points)
+    points = sorted((p for p in points if p["tensors"] == tensors), key=lambda p: p["ranks"])
+    fit = load_fit(out.get("load") or [])
+    cells = {p["ranks"]: _rows(p) for p in points}
+    if fit is not None:
+        for p in points:
+            cells[p["ranks"]]["load_share"] = _load_share(p, fit)
+    return [{"key": key, "unit": unit, "what": what, "tensors": tensors,
+             "cells": {r: c[key] for r, c in cells.items() if key in c}}
+            for key, unit, what in ROWS if any(key in c for c in cells.values())]
+
+
+def _value(v: float, unit: str) -> str:
+    if unit == "count":
+        return f"{v:,}"
+    if unit == "bytes":
+        if v >= 2**30:
+            return f"{v / 2**30:,.2f} GiB"
+        return f"{v / 2**20:,.1f} MiB" if v >= 2**20 else f"{v / 2**10:,.1f} KiB" if v >= 2**10 else f"{v} B"
+    return f"{v:,.2f} s" if v >= 1 else f"{v * 1e3:,.1f} ms"
+
+
+def format_projection(rows: List[Dict[str, Any]]) -> str:
+    """The projection as a Markdown table (value and label per cell), then the labels' notes."""
+    if not rows:
+        return ""
+    ranks = sorted({r for row in rows for r in row["cells"]})
+    lines = [f"| per rank, {rows[0]['tensors']:,} tensors a rank | " + " | ".join(f"{r:,} ranks" for r in ranks)
+             + " |", "|---|" + "---|" * len(ranks)]
+    notes: List[str] = []
+    for row in rows:
+        out = []
+        for r in ranks:
+            c = row["cells"].get(r)
+            if c is None:
+                out.append("")
+                continue
+            if c["how"] not in notes:
+                notes.append(c["how"])
+            out.append(f"{_value(c['value'], row['unit'])} [{notes.index(c['how']) + 1}]")
+        lines.append(f"| {row['what']} | " + " | ".join(out) + " |")
+    lines.append("")
+    lines += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
+    return "\n".join(lines)
