@@ -86,6 +86,8 @@ def _rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         "commit_other_reads": _cell(commit["other_reads_bytes"], COUNTED),
         "manifest_read": _cell(p["manifest_bytes"], _how(p, ["manifest_bytes"], "the manifest's size")),
         "manifest_parse": _cell(median(p["parse_s"]), _how(p, ["parse_s"], "Manifest.from_json_bytes")),
+        "manifest_memory": _cell(p["parse_memory_estimate"], _how(p, ["parse_memory_estimate"],
+                                                                   "format.json_memory_estimate")),
     }
 
 
@@ -100,6 +102,8 @@ ROWS = (
     ("commit_other_reads", "bytes", "commit of a background save: what a non-zero rank reads (the outcome)"),
     ("manifest_read", "bytes", "load: manifest bytes every rank reads"),
     ("manifest_parse", "s", "load: manifest parse on every rank"),
+    ("manifest_memory", "bytes", "load: the parse's memory estimate (a load refuses the manifest above "
+                                 "MAX_MANIFEST_MEMORY, 4 GiB by default; manifests above MAX_MANIFEST_BYTES, 1 GiB)"),
     ("load_share", "s", "load of one rank's share (saved layout), manifest parse included"),
 )
 """The projection's rows: key, unit, what."""
