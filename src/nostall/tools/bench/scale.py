@@ -8,7 +8,12 @@ Four curves, each over several sizes (docs/benchmarks.md, "Cost as the work grow
   of 8 and replicated across the groups, replicated tensors and per-rank
   values); around it what a rank does with that metadata: its signature, the
   decode of the gathered metadata (pickle, as the all-gather does), the
-  manifest skeleton, its JSON encode and parse;
+  replica check's ``shared_keys``, the manifest skeleton, its JSON encode and
+  parse; and the bytes each rank sends and receives in the plan exchange and
+  the commit (:mod:`nostall.tools.bench.exchange`). The metadata is made one
+  rank at a time, so 16,384 simulated ranks fit in memory; above
+  ``--measure-up-to`` ranks the plan, the manifest and the commit are
+  computed from the measured growth, and say so;
 * ``moe`` -- many small tensors per rank (spawned gloo ranks): the stall of an
   asynchronous ``CheckpointManager.save`` in the steady state, the plan's share
   of it, the copy floor (the same tensors copied into a touched buffer), and
@@ -21,6 +26,8 @@ Four curves, each over several sizes (docs/benchmarks.md, "Cost as the work grow
   loaded as full tensors, as another sharding (halves across every piece) and
   in the saved layout (one simulated rank's pieces), against a raw read of the
   same bytes.
+
+The projection (:mod:`nostall.tools.bench.projection`) puts one rank's costs side by side per rank count.
 """
 
 from __future__ import annotations
