@@ -79,7 +79,7 @@ def test_convert_dcp_to_nostall_to_safetensors_and_torch(tmp_path, capsys):
     assert out["to"] == "nostall" and out["tensors"] == 3 and out["objects"] == 1
     assert cli_main(["inspect", "--json", ns]) == 0
     assert sorted(t["key"] for t in _json(capsys)["tensors"]) == ["model/b", "model/w", "optim/m"]
-    assert nostall.load({"step": 0}, ns) == {"step": 9}
+    assert nostall.load({"step": 0}, ns, strict=False) == {"step": 9}
 
     hf = str(tmp_path / "hf")
     assert cli_main(["convert", ns, hf, "--to", "safetensors", "--keys", "model", "--strip-prefix", "model",
