@@ -87,6 +87,12 @@ def test_bench_scale_smoke(tmp_path, capsys):
     for part in bench_scale.PARTS:
         assert (tmp_path / f"p-{part}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # --project: the projection of earlier runs' JSON, nothing run
+    assert bench_scale.main(["--project", f"{js},{js}"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("| per rank, 20 tensors a rank | 4 ranks | 8 ranks |")
+    assert printed.count("\n| ") == len(projection.ROWS)  # a line per row
+
 
 def test_plot_paths_prefix_or_directory(tmp_path):
     assert bench_scale.plot_paths(str(tmp_path))["moe"] == str(tmp_path / "scale-moe.png")

@@ -773,6 +773,16 @@ def plot(out: Dict[str, Any], target: str) -> List[str]:
     return written
 
 
+def merged_runs(paths: Sequence[str]) -> Dict[str, Any]:
+    """The parts of the ``--json`` files at ``paths``, each from the last file that has it."""
+    out: Dict[str, Any] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        out.update({k: v for k, v in run.items() if k in PARTS and v})
+    return out
+
+
 def _ints(text: str) -> List[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -808,7 +818,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot", default=None, metavar="PREFIX|DIR",
                     help="draw the curves: PREFIX-<part>.png, or DIR/scale-<part>.png for a directory")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--project", default=None, metavar="JSON,JSON",
+                    help="run nothing: print the projection of earlier runs' --json files (each part from the "
+                         "last file that has it; e.g. a planning run and a load run)")
     args = ap.parse_args(argv)
+    if args.project:
+        print(format_projection(projection(merged_runs(args.project.split(",")))))
+        return 0
     parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in parts if p not in PARTS]
     if bad:
