@@ -10,10 +10,9 @@ measured) and, when the load part ran, the load points:
   records rank 0 reads at a background save's commit;
 * at load, the manifest bytes a rank reads and its parse time (every rank
   reads and parses the whole manifest);
-* the load of one rank's share in its saved layout, computed from the load
-  part: a least-squares fit of a rank's load there, less its manifest parse,
-  on the checkpoint's pieces, the rank's own pieces and its bytes, applied to
-  the synthetic job's rank.
+* the load of one rank's share in its saved layout, computed: the manifest
+  parse, plus the load part's per-piece cost times the rank's pieces; and,
+  beside it, the rank's bytes at the load part's raw read pace.
 
 A figure is ``measured``, or ``computed (how)``.
 """
@@ -25,6 +24,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from nostall.tools.bench.common import median
 
 MEASURED = "measured"
+MIN_PIECES = 64
+"""Pieces per tensor from which the load part's points give the per-piece cost (:func:`load_fit`)."""
 COUNTED = "measured (counted from the real encodings)"
 
 
@@ -33,20 +34,18 @@ def _cell(value: float, how: str) -> Dict[str, Any]:
 
 
 def load_fit(load: Sequence[Dict[str, Any]]) -> Optional[Dict[str, float]]:
-    """Seconds of one rank's load in the saved layout, less its manifest parse, as ``fixed_per_own_piece`` x its
-    pieces + ``per_checkpoint_piece`` x the checkpoint's pieces + ``per_byte`` x its bytes (least squares over
-    the load points; the fixed cost of a load call is counted as its pieces', an upper bound), and the raw read's
-    bytes per second. None with fewer than three points."""
-    import numpy as np
+    """The load part's per-piece cost and raw read pace, or None without load points.
 
-    if len(load) < 3:
+    ``per_piece``: the median, over the points with at least :data:`MIN_PIECES` pieces per tensor (else all), of
+    a full load's time less the raw read of its bytes and its manifest parse, per piece (every piece located,
+    read, checksummed and copied; thousands of pieces, where one rank's load there has a handful).
+    ``raw_bytes_per_s``: the median raw read pace of the files."""
+    if not load:
         return None
-    rows = [[1.0, p["pieces"] * p["tensors"], p["rank_bytes"]] for p in load]
-    ys = [median(p["same_layout_rank_s"]) - median(p["parse_s"]) for p in load]
-    (a, b, c), *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
-    own = load[0]["tensors"]  # a rank loads one piece of each tensor there
-    return {"fixed_per_own_piece": max(0.0, float(a)) / own, "per_checkpoint_piece": max(0.0, float(b)),
-            "per_byte": max(0.0, float(c)),
+    many = [p for p in load if p["pieces"] >= MIN_PIECES] or list(load)
+    per_piece = median([(median(p["full_s"]) - median(p["raw_read_s"]) - median(p["parse_s"]))
+                        / (p["pieces"] * p["tensors"]) for p in many])
+    return {"per_piece": max(0.0, per_piece),
             "raw_bytes_per_s": median([p["bytes"] / median(p["raw_read_s"]) for p in load])}
 
 
@@ -55,17 +54,18 @@ def _how(point: Dict[str, Any], fields: Sequence[str], what: str) -> str:
     return MEASURED + f" ({what})" if not notes else "computed: " + "; ".join(notes)
 
 
-def _load_share(p: Dict[str, Any], fit: Dict[str, float]) -> Dict[str, Any]:
-    meta = (fit["fixed_per_own_piece"] * p["rank_pieces"] + fit["per_checkpoint_piece"] * p["pieces"]
-            + fit["per_byte"] * p["rank_bytes"])
-    raw = p["rank_bytes"] / fit["raw_bytes_per_s"]
+def _load_share(p: Dict[str, Any], fit: Dict[str, float]) -> Dict[str, Dict[str, Any]]:
     parse = median(p["parse_s"])
-    return _cell(parse + meta + raw,
-                 f"computed: the manifest parse ({'measured' if 'parse_s' not in p['computed'] else 'computed'}) + "
-                 f"the load part's fit, {fit['fixed_per_own_piece'] * 1e3:.3f} ms x the rank's pieces + "
-                 f"{fit['per_checkpoint_piece'] * 1e6:.2f} us x the checkpoint's pieces + "
-                 f"{fit['per_byte'] * 2**30:.3f} s/GiB x the rank's bytes, + the raw read of its bytes at "
-                 f"{fit['raw_bytes_per_s'] / 2**30:.1f} GiB/s (page cache)")
+    how_parse = "measured" if "parse_s" not in p["computed"] else "computed"
+    return {
+        "load_share": _cell(parse + fit["per_piece"] * p["rank_pieces"],
+                            f"computed: the manifest parse ({how_parse}) + the load part's per-piece cost "
+                            f"({fit['per_piece'] * 1e6:.1f} us: a full load less its raw read and parse, per piece, "
+                            f"median of the points of {MIN_PIECES}+ pieces per tensor) x the rank's pieces"),
+        "load_data": _cell(p["rank_bytes"] / fit["raw_bytes_per_s"],
+                           f"computed: the rank's bytes at the load part's raw read pace "
+                           f"({fit['raw_bytes_per_s'] / 2**30:.1f} GiB/s, page cache)"),
+    }
 
 
 def _rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
@@ -104,7 +104,8 @@ ROWS = (
     ("manifest_parse", "s", "load: manifest parse on every rank"),
     ("manifest_memory", "bytes", "load: the parse's memory estimate (a load refuses the manifest above "
                                  "MAX_MANIFEST_MEMORY, 4 GiB by default; manifests above MAX_MANIFEST_BYTES, 1 GiB)"),
-    ("load_share", "s", "load of one rank's share (saved layout), manifest parse included"),
+    ("load_share", "s", "load of one rank's share (saved layout): manifest parse + per-piece work"),
+    ("load_data", "s", "load of one rank's share: its bytes at the raw read's pace (beside the row above)"),
 )
 """The projection's rows: key, unit, what."""
 
@@ -121,7 +122,7 @@ def projection(out: Dict[str, Any]) -> List[Dict[str, Any]]:
     cells = {p["ranks"]: _rows(p) for p in points}
     if fit is not None:
         for p in points:
-            cells[p["ranks"]]["load_share"] = _load_share(p, fit)
+            cells[p["ranks"]].update(_load_share(p, fit))
     return [{"key": key, "unit": unit, "what": what, "tensors": tensors,
              "cells": {r: c[key] for r, c in cells.items() if key in c}}
             for key, unit, what in ROWS if any(key in c for c in cells.values())]
