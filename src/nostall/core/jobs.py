@@ -216,3 +216,4 @@ class Msg:
     segments: Optional[List[Segment]] = None
     text: str = ""
     root: Any = None
+    records: Any = None  # SAVE, rank 0: a plan's tensor records (nostall.saving.writer.without_records)

@@ -220,17 +220,28 @@ class FlatState:
             raise InvalidStateError(f"key {key!r} occurs twice (e.g. dict keys 0 and '0' in one dict)")
 
 
+_DTENSOR: Optional[type] = None  # the DTensor class, once the user's program imported it
+
+
 def _dtensor_type() -> Optional[type]:
     """The DTensor class if the user's program imported it (no import of our own:
-    a state can only hold DTensors once ``torch.distributed.tensor`` is loaded)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None) if mod is not None else None
+    a state can only hold DTensors once ``torch.distributed.tensor`` is loaded). Found once, then
+    kept: a module stays imported, and its class is the one its instances have."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        mod = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(mod, "DTensor", None) if mod is not None else None
+    return _DTENSOR
 
 
 def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:
-    """Local tensor, global offset, global shape and main-replica flag of a DTensor."""
-    gshape = tuple(int(x) for x in dt.shape)
-    where = (dt.device_mesh, tuple(dt.placements), gshape)
+    """Local tensor, global offset, global shape and main-replica flag of a DTensor.
+
+    Under ``torch.no_grad()`` (as :func:`flatten` calls it), the local tensor is the DTensor's own
+    (``to_local()`` skips autograd there); otherwise a view of it, sharing its memory.
+    """
+    gshape = tuple(dt.shape)  # a torch.Size: ints already
+    where = (dt.device_mesh, dt.placements, gshape)
     try:
         try:
             shape, offset, main = _dtensor_layout(*where)
@@ -269,14 +280,16 @@ def _dtensor_layout(mesh: Any, placements: Tuple[Any, ...], gshape: Shape) -> Tu
     return tuple(int(x) for x in shape), tuple(int(x) for x in offset), main
 
 
-def as_sharded(value: Any, key: str) -> Optional[ShardedTensor]:
-    """ShardedTensor view of a ShardedTensor or DTensor leaf, else None."""
-    if isinstance(value, ShardedTensor):
-        return value
+def _local_of(key: str, v: Any) -> Optional[LocalTensor]:
+    """The LocalTensor of a ShardedTensor or DTensor leaf (its data checked), else None."""
+    if isinstance(v, ShardedTensor):
+        check_tensor_leaf(v.data, key)
+        return LocalTensor(key, v.data, tuple(v.global_shape), tuple(v.global_offset), True, v.is_main_replica)
     dt_type = _dtensor_type()
-    if dt_type is not None and isinstance(value, dt_type):
-        local, offset, gshape, main = dtensor_box(value, key)
-        return ShardedTensor(local, gshape, offset, 0 if main else 1)
+    if dt_type is not None and isinstance(v, dt_type):
+        local, offset, gshape, main = dtensor_box(v, key)
+        check_tensor_leaf(local, key)
+        return LocalTensor(key, local, gshape, offset, True, main)
     return None
 
 
@@ -384,16 +397,12 @@ def flatten(state: Any) -> FlatState:
     def visit(kind: str, key: str, v: Any) -> Any:
         flat._claim(key)
         if kind == "tensor":
-            st = as_sharded(v, key)
-            if st is None:
+            lt = _local_of(key, v)
+            if lt is None:
                 t: torch.Tensor = v
                 check_tensor_leaf(t, key)
-                flat.tensors[key] = tie(LocalTensor(key, t, tuple(t.shape), (0,) * t.dim(), False, True))
-            else:
-                check_tensor_leaf(st.data, key)
-                flat.tensors[key] = tie(LocalTensor(
-                    key, st.data, tuple(st.global_shape), tuple(st.global_offset), True, st.is_main_replica
-                ))
+                lt = LocalTensor(key, t, tuple(t.shape), (0,) * t.dim(), False, True)
+            flat.tensors[key] = tie(lt)
         elif kind == "object":
             check_json(v, key)
             flat.objects[key] = to_json(v)
@@ -401,7 +410,8 @@ def flatten(state: Any) -> FlatState:
             _flatten_per_rank(v.value, key, flat)
         return v
 
-    walk(state, visit)
+    with torch.no_grad():  # inspection only: a DTensor's to_local() then skips autograd
+        walk(state, visit)
     return flat
 
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import sendfds
 from typing import Any, List, Optional, Tuple
@@ -26,7 +27,7 @@ from nostall.core.faults import ROLE_ENV
 from nostall.errors import CheckpointError, CheckpointTimeoutError
 from nostall.core.jobs import JobResult, Msg, Op, SaveJob, Segment
 from nostall.saving.area import StagingArea
-from nostall.saving.writer import LOG_LEVEL_ENV
+from nostall.saving.writer import LOG_LEVEL_ENV, ManifestRecords, without_records
 
 log = logging.getLogger("nostall")
 
@@ -55,6 +56,12 @@ class WriterDied(CheckpointError):
     pass
 
 
+def _same_records(held: Optional[ManifestRecords], records: ManifestRecords) -> bool:
+    """Whether ``records`` are the very objects the writer holds (identity: they are never changed in place)."""
+    return (held is not None and held[0] is records[0] and len(held[1]) == len(records[1])
+            and all(a is b for a, b in zip(held[1], records[1])))
+
+
 class BackgroundWriter:
     """One writer process and the staging area it shares with this rank."""
 
@@ -72,6 +79,7 @@ class BackgroundWriter:
         self.job: Optional[SaveJob] = None  # the job in flight
         self._stash: list = []  # messages read ahead by ready()
         self._behind = False  # a job was reported since the last flush (its retention may still run)
+        self._held: Optional[ManifestRecords] = None  # the tensor records the writer process holds (rank 0)
         self._start()
 
     # ------------------------------------------------------------------ process
@@ -98,6 +106,7 @@ class BackgroundWriter:
         self._sock = parent
         self._conn = Connection(os.dup(parent.fileno()))
         self._attached_generation = 0
+        self._held = None
         log.debug("rank %d: writer process %d started", self.rank, self.proc.pid)
         if self.root is not None:
             self._conn.send(Msg(Op.WARM, root=self.root))
@@ -172,7 +181,14 @@ class BackgroundWriter:
         assert self.job is None, "one save in flight at a time"
         self.attach_if_needed()
         assert self._conn is not None
-        self._conn.send(Msg(Op.SAVE, job=job))
+        if job.manifest is None:
+            self._conn.send(Msg(Op.SAVE, job=job))
+        else:  # rank 0: the tensor records go once per plan (the saves of a cached plan share the very same dicts)
+            manifest, records = without_records(job.manifest)
+            fresh = not _same_records(self._held, records)
+            self._held = None  # unknown until the message is sent whole
+            self._conn.send(Msg(Op.SAVE, job=replace(job, manifest=manifest), records=records if fresh else None))
+            self._held = records
         self.job = job
 
     def send_chunk(self, index: int, segments: List[Segment]) -> None:
@@ -246,7 +262,13 @@ class BackgroundWriter:
         runs retention again)."""
         if not self._behind or self.job is not None or self._conn is None or not self.alive():
             return
-        self._conn.send(Msg(Op.PING))
+        try:
+            self._conn.send(Msg(Op.PING))
+        except OSError as e:  # it died since alive() said otherwise: nothing of it left to wait for
+            log.warning("rank %d: the writer process is gone (%s): retention after the last save is left to the "
+                        "next commit", self.rank, e)
+            self._behind = False
+            return
         try:
             while self._recv(time.monotonic() + timeout, "deleting old checkpoints (retention)",
                              skip=(Op.ATTACHED, Op.CHUNK_DONE)).op is not Op.PONG:

@@ -175,13 +175,15 @@ def commit(job: SaveJob, dones: Iterable[Done]) -> None:
     root.check_files(dest, {**{n: f.size for n, f in files.items() if "/" not in n},
                             **{f.file: f.size for f in job.manifest.side_files.values()}},
                      {n: f.size for n, f in files.items() if "/" in n})
+    above: List[int] = []
     if dest.move_latest:
         root.prepare_latest(dest)  # needs space: fails here, before the commit point, on a full disk
+        # listing the steps refuses a linked one (PosixRoot): before the commit point too
+        above = [s for s in root.steps() if dest.step is not None and s > dest.step]
     crash_point("commit.ready", dest.step)
     root.publish(dest, raw)
     if not dest.move_latest:
         return
-    above = [s for s in root.steps() if dest.step is not None and s > dest.step]
     if above:
         log.warning("committed step %s while step(s) %s from an earlier run exist under %s; `latest` now "
                     "names %s, and those steps are replaced as training reaches them", dest.step, above, root.url,

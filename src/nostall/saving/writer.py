@@ -6,6 +6,11 @@ save job with the same routine a synchronous save runs inline
 (:func:`nostall.saving.commit.run_job`), its bytes read from the area (whole, or
 chunk by chunk under a host-memory budget, :func:`write_chunked`) and the
 ranks meeting through records on the root. Messages are :class:`~nostall.core.jobs.Msg`.
+
+Rank 0's job carries the manifest to commit, whose bulk (the tensor records)
+is the same for every save of one plan: it travels apart from the job
+(:func:`without_records`), once per plan, and the writer keeps it for the
+jobs that follow (:func:`with_records`).
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
-from typing import Any, Callable, Iterator, List, NoReturn, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 from nostall.saving.commit import RecordBarrier, run_job
 from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, write_files
 from nostall.errors import CheckpointSaveError
+from nostall.core.format import Manifest, TensorRecord
 from nostall.core.jobs import FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
 from nostall.storage import files as storage
 
@@ -31,6 +38,26 @@ log = logging.getLogger("nostall")
 
 # The next chunk of a chunked job (its segments), after releasing the previous one; None: no more.
 ChunkFeed = Callable[[], Optional[List[Segment]]]
+
+ManifestRecords = Tuple[Dict[str, TensorRecord], Tuple[Dict[str, TensorRecord], ...]]
+"""A manifest's tensor records: global, and each rank's."""
+
+
+def without_records(manifest: Manifest) -> Tuple[Manifest, ManifestRecords]:
+    """``manifest`` without its tensor records, and those records (see :func:`with_records`)."""
+    records = (manifest.tensors, tuple(r.tensors for r in manifest.per_rank))
+    bare = replace(manifest, tensors={}, per_rank=tuple(replace(r, tensors={}) for r in manifest.per_rank))
+    return bare, records
+
+
+def with_records(manifest: Manifest, records: ManifestRecords) -> Manifest:
+    """The manifest that :func:`without_records` took ``records`` from."""
+    tensors, per_rank = records
+    if len(per_rank) != len(manifest.per_rank):
+        raise CheckpointSaveError(f"the writer holds tensor records for {len(per_rank)} ranks, the manifest of "
+                                  f"this save has {len(manifest.per_rank)}: a message from the trainer was lost")
+    return replace(manifest, tensors=tensors,
+                   per_rank=tuple(replace(r, tensors=t) for r, t in zip(manifest.per_rank, per_rank)))
 
 
 def from_area(area: memoryview) -> Writer:
@@ -165,6 +192,7 @@ class _Server:
         self.area: Optional[mmap.mmap] = None
         self.view: Optional[memoryview] = None
         self.history = History()  # this rank's last committed save, for incremental saves
+        self.records: Optional[ManifestRecords] = None  # rank 0: the tensor records of the plan of its last job
         # The priority drops once the writer is ready, not at start: start-up imports at nice 10 on a busy
         # machine took seconds of the first save's deadline (importing s3fs 0.6 s at nice 0, 5 s at nice 10).
         self.lowered = False
@@ -182,6 +210,8 @@ class _Server:
         elif msg.op is Op.SAVE:
             self.lower_priority()
             assert msg.job is not None
+            if msg.records is not None:
+                self.records = msg.records
             self.save(msg.job)
         elif msg.op is Op.PING:
             self.conn.send(Msg(Op.PONG, size=os.getpid()))
@@ -211,6 +241,12 @@ class _Server:
             result = JobResult(job.save_id, False, f"rank {job.rank}: writer has no staging area")
             self.conn.send(Msg(Op.RESULT, result=result))
             return
+        if job.manifest is not None and self.records is not None:
+            try:
+                job = replace(job, manifest=with_records(job.manifest, self.records))
+            except CheckpointSaveError as e:
+                self.conn.send(Msg(Op.RESULT, result=JobResult(job.save_id, False, f"rank {job.rank}: {e}")))
+                return
         write = (write_chunked(self.view, _chunk_feed(self.conn, time.monotonic() + job.timeout))
                  if job.chunked else from_area(self.view))
         later: List[Callable[[], None]] = []

@@ -98,6 +98,7 @@ class PosixRoot(Root):
         self.url = os.path.abspath(os.fspath(path))
         self.detached = detached
         self.faults = faults if faults is not None else Faults()
+        self._checked: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the root that check() last passed
 
     def __repr__(self) -> str:
         return f"PosixRoot({self.url!r})"
@@ -125,6 +126,8 @@ class PosixRoot(Root):
         return mode
 
     def check(self) -> None:
+        """Refuse a root that is not a directory, or whose ``.tmp``, ``latest`` or a ``step_<N>`` is a
+        symbolic link (O(entries): the root is listed)."""
         mode = lkind(self.url)
         if mode is not None and not stat.S_ISDIR(os.stat(self.url).st_mode):
             raise CheckpointSaveError(f"checkpoint root {self.url!r} exists and is not a directory")
@@ -135,6 +138,30 @@ class PosixRoot(Root):
         for n in os.listdir(self.url):
             if parse_step(n) is not None:
                 self._no_link(os.path.join(self.url, n))
+
+    def _check_before_save(self) -> None:
+        """:meth:`check` before a save, in O(1) while the root is the directory it last passed (same
+        device and inode): then only ``.tmp`` and ``latest`` are looked at. The steps need no listing
+        each save: a commit lists them before its commit point, refusing a linked one
+        (:func:`nostall.saving.commit.commit`), and every other access goes through :meth:`_no_link`.
+        A root that was replaced or removed since is checked in full again."""
+        try:
+            st = os.stat(self.url)
+        except FileNotFoundError:
+            st = None
+        if st is None or (st.st_dev, st.st_ino) != self._checked:
+            self._checked = None
+            self.check()
+            os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
+            st = os.stat(self.url)
+            self._checked = (st.st_dev, st.st_ino)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointSaveError(f"checkpoint root {self.url!r} exists and is not a directory")
+        tmp = self._no_link(os.path.join(self.url, TMP_DIR))
+        self._no_link(os.path.join(self.url, LATEST))
+        if tmp is None:
+            os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
 
     # ------------------------------------------------------------------ reading
     def steps(self) -> List[int]:
@@ -432,8 +459,7 @@ class PosixRoot(Root):
             self._release_root(self._take_root(dest.name))  # refused now, not after the write
             self._sweep_beside()
         else:
-            self.check()
-            os.makedirs(os.path.join(self.url, TMP_DIR), exist_ok=True)
+            self._check_before_save()
         self._make_ours(self._tmp("save", dest.save_id, dest.name), dest.save_id)
 
     def make_records(self, dest: Destination) -> None:

@@ -112,11 +112,17 @@ def _start_time(pid: int) -> str:
         return ""
 
 
+_OWN_START = (0, "")  # (pid, _start_time(pid)) of this process, read once (a forked child reads its own)
+
+
 def mark_content(save_id: str) -> bytes:
     """A mark: the entry's id, then who made it (host, pid, process start), for a sweep to tell whether
     the save it belongs to can still be running."""
+    global _OWN_START
     pid = os.getpid()
-    return f"{save_id}\n{socket.gethostname()} {pid} {_start_time(pid)}\n".encode()
+    if _OWN_START[0] != pid:
+        _OWN_START = (pid, _start_time(pid))
+    return f"{save_id}\n{socket.gethostname()} {pid} {_OWN_START[1]}\n".encode()
 
 
 def maker_gone(content: bytes) -> bool:
