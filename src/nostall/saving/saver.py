@@ -207,7 +207,8 @@ class HostCopy:
 
         def finish() -> None:
             try:
-                time.sleep(self.faults.stage_delay_s)
+                if self.faults.stage_delay_s:  # (a sleep of 0 still hands the GIL to any other thread)
+                    time.sleep(self.faults.stage_delay_s)
                 rest()
                 crash_point("staged", job.step)
                 self.writer.submit(job)
@@ -235,7 +236,8 @@ class HostCopy:
             submitted = True
             deadline = time.monotonic() + job.timeout
             for k, cuts in enumerate(chunks):
-                time.sleep(self.faults.stage_delay_s)
+                if self.faults.stage_delay_s:
+                    time.sleep(self.faults.stage_delay_s)
                 if k >= 2 and not writer.wait_chunk_done(k - 2, deadline):
                     return  # the writer failed the job; its result tells why
                 writer.send_chunk(k, area.stage_chunk(cuts, k % 2, self.files, self.source))
