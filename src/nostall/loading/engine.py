@@ -247,6 +247,11 @@ def _execute_files(by_file: Dict[str, List[_Need]], files: DataFiles, bs: int, c
                 raise
 
 
+def execute(r: Read, files: DataFiles, m: Manifest, checks: Verifier) -> None:
+    """Perform the one read ``r`` (see :func:`execute_all`)."""
+    execute_all([r], files, m, checks)
+
+
 def _read_span(span: _Span, prev: Optional[Tuple[_Span, memoryview]], files: DataFiles, name: str,
                ring: _Buffers) -> memoryview:
     """The bytes of ``span``, in a ring buffer: what overlaps the previous span copied from its buffer (read and

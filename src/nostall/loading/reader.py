@@ -3,7 +3,7 @@
 No collective is needed: every rank reads the manifest and, for each tensor of
 its template, the byte ranges of the saved pieces that intersect the region it
 holds. Reads are aligned to checksum blocks, so every byte used is verified.
-A piece of 1 MiB or more needed whole lands straight in the destination tensor (no extra copy).
+A piece needed whole lands straight in the destination tensor (no extra copy).
 The reads themselves are :mod:`nostall.loading.engine`'s; every file is read
 through the checkpoint's :class:`~nostall.storage.root.Root` (:mod:`nostall.loading.sources`).
 The manifest is :mod:`nostall.loading.manifests`'; ``nostall verify`` is :mod:`nostall.loading.verify`.
