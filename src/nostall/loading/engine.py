@@ -331,11 +331,7 @@ def plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[Read
     shape = tuple(dest.shape)
     if numel(shape) == 0:
         return
-    pieces = rec.pieces
-    if shape:  # first the pieces that meet the region's rows (one cheap test each), then the whole boxes
-        lo0, hi0 = off[0], off[0] + shape[0]
-        pieces = tuple(p for p in pieces if p.offset[0] < hi0 and p.offset[0] + p.shape[0] > lo0)
-    for p in pieces:
+    for p in rec.pieces:
         lo = tuple(max(a, b) for a, b in zip(off, p.offset))
         hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, p.offset, p.shape))
         if any(h <= l for l, h in zip(lo, hi)):
