@@ -101,10 +101,8 @@ def test_regions_sharing_a_pieces_blocks_read_it_once(tmp_path, reads):
 
 
 def test_a_span_over_the_verify_window_is_read_in_windows_each_byte_once(tmp_path, reads, monkeypatch):
-    """A region larger than the window: row chunks whose boundary blocks are shared, carried, not re-read (and
-    copied a few rows at a time)."""
+    """A region larger than the window: row chunks whose boundary blocks are shared, carried, not re-read."""
     monkeypatch.setattr(engine, "VERIFY_WINDOW", 4096)
-    monkeypatch.setattr(engine, "COPY_GRAIN", 100)
     path = str(tmp_path / "c")
     w = torch.randn(200, 33, generator=torch.Generator().manual_seed(5))
     nostall.save({"w": w}, path, block_size=512)

@@ -43,9 +43,6 @@ COALESCE_GAP = 64 << 10
 """Ranges of one file at most this many bytes apart are read as one span (the gap read and dropped)."""
 DIRECT_MIN = 1 << 20
 """A whole piece of at least this many bytes is read straight into its destination when it can be."""
-COPY_GRAIN = 1 << 15
-"""Elements per torch copy into CPU memory: torch's own grain, under which a copy stays on the calling thread
-(its intra-op threads would contend with the verifier's, and stall on a busy machine)."""
 OnError = Callable[["Read", Exception], None]
 
 
@@ -63,15 +60,13 @@ class Read:
 @dataclass
 class _Need:
     """The bytes ``[lo, hi)`` of its file (block-aligned in the piece) that ``read`` needs; ``first`` is the
-    region's first element and ``strides`` the piece's, in elements. ``whole``: the whole piece, into a
-    contiguous CPU tensor of its dtype (copied as bytes); ``direct``: read straight into that tensor."""
+    region's first element and ``strides`` the piece's, in elements."""
 
     read: Read
     lo: int
     hi: int
     first: int
     strides: Shape
-    whole: bool = False
     direct: bool = False
 
 
@@ -98,8 +93,9 @@ def _needs(r: Read, bs: int, shared: bool) -> Iterator[_Need]:
     isz = dtype.itemsize
     dest = r.dest
     strides = _strides(piece.shape)
-    if box == piece.shape and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
-        yield _Need(r, piece.start, piece.end, 0, strides, True, not shared and piece.nbytes >= DIRECT_MIN)
+    if (not shared and box == piece.shape and piece.nbytes >= DIRECT_MIN and dest.device.type == "cpu"
+            and dest.is_contiguous() and dest.dtype == dtype):
+        yield _Need(r, piece.start, piece.end, 0, strides, True)
         return
     rows = [r]
     if box and numel(box) * isz > VERIFY_WINDOW:
@@ -291,27 +287,14 @@ def _to_check(span: _Span, prev: Optional[Tuple[_Span, memoryview]], buf: memory
 
 
 def _scatter(n: _Need, raw: memoryview, lo: int) -> None:
-    """Copy the region of ``n`` from ``raw``, its bytes from ``lo`` (in the piece) on, into its destination: a
-    whole piece as bytes (one memcpy); else by torch, into CPU memory in copies of at most :data:`COPY_GRAIN`
-    elements, each on this thread."""
+    """Copy the region of ``n`` from ``raw``, its bytes from ``lo`` (in the piece) on, into its destination."""
     r = n.read
-    if n.whole:
-        byte_view(r.dest)[:] = raw
-        return
     flat = torch.frombuffer(raw, dtype=torch_dtype(r.rec.dtype))
     first = n.first - lo // flat.element_size()
-    box, dest = r.box_shape, r.dest
-    if not box:
-        dest.copy_(flat[first])
+    if not r.box_shape:
+        r.dest.copy_(flat[first])
         return
-    src = flat.as_strided(box, n.strides, first)
-    step = max(1, COPY_GRAIN // max(1, numel(box[1:])))
-    if dest.device.type != "cpu" or box[0] <= step:
-        dest.copy_(src)
-        return
-    for a in range(0, box[0], step):
-        k = min(step, box[0] - a)
-        dest.narrow(0, a, k).copy_(src.narrow(0, a, k))
+    r.dest.copy_(flat.as_strided(r.box_shape, n.strides, first))
 
 
 def _read_whole(r: Read, files: DataFiles, bs: int, checks: Verifier) -> None:
