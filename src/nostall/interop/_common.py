@@ -38,7 +38,7 @@ from nostall.core.format import (
     layout_file,
     piece_name,
 )
-from nostall.loading.engine import Read, execute_all, plan_reads
+from nostall.loading.engine import Read, execute, in_file_order, plan_reads
 from nostall.loading.manifests import read_manifest
 from nostall.loading.sources import Verifier, open_files
 from nostall.core.dtypes import torch_dtype
@@ -126,7 +126,8 @@ class Source:
         reads: List[Read] = []
         plan_reads(rec, dest, off, reads)
         with torch.no_grad(), Verifier(self.verify) as checks:
-            execute_all(reads, self.files, self.manifest, checks)
+            for r in in_file_order(reads):
+                execute(r, self.files, self.manifest, checks)
             checks.finish()
 
     def read_new(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
