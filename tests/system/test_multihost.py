@@ -331,7 +331,7 @@ def test_object_storage_two_hosts_save_stop_resume_on_same_and_one_host_layout(t
 # ---------------------------------------------------------------------------- a host killed mid-save
 
 _RESUMED = re.compile(r"resumed from \S+ \(step (\d+)\)")
-_SAVED = re.compile(r"rank 0: step (\d+) saved \(async\)")
+_SAVED = re.compile(r"rank 0: step (\d+) checkpoint committed \(async save\)")  # the reference trainer's line per commit
 
 
 def _trial(net: HostNet, root: str, logs: str, k: int, rng: random.Random, victim: int) -> dict:
