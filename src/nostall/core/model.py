@@ -19,9 +19,9 @@ and joined with ``/`` (``optimizer/state/0/exp_avg``). Containers nest at most
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -241,12 +241,16 @@ def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:
     (``to_local()`` skips autograd there); otherwise a view of it, sharing its memory.
     """
     gshape = tuple(dt.shape)  # a torch.Size: ints already
-    where = (dt.device_mesh, dt.placements, gshape)
+    mesh = dt.device_mesh
     try:
         try:
-            shape, offset, main = _dtensor_layout(*where)
-        except TypeError:  # a placement that cannot be hashed: computed each time
-            shape, offset, main = _dtensor_layout.__wrapped__(*where)
+            known = _LAYOUTS.setdefault(mesh, {})
+            found = known.get((dt.placements, gshape))
+            if found is None:
+                found = known[(dt.placements, gshape)] = _dtensor_layout(mesh, dt.placements, gshape)
+        except TypeError:  # a mesh or placement that cannot be hashed or weakly referenced: computed each time
+            found = _dtensor_layout(mesh, dt.placements, gshape)
+        shape, offset, main = found
     except ValueError as e:
         raise InvalidStateError(f"key {key!r}: {e}") from None
     local = dt.to_local()
@@ -257,7 +261,13 @@ def dtensor_box(dt: Any, key: str) -> Tuple[torch.Tensor, Shape, Shape, bool]:
     return local, offset, gshape, main
 
 
-@functools.lru_cache(maxsize=4096)  # a save's every DTensor, each save: the same few layouts
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, Dict[Tuple[Any, Shape], Tuple[Shape, Shape, bool]]]" = (
+    weakref.WeakKeyDictionary())
+"""Memo of :func:`_dtensor_layout` (a pure function of its arguments) per device mesh, held weakly: a save's
+DTensors share a few layouts that do not change between saves, and a mesh (with its process groups) is never
+kept alive by it."""
+
+
 def _dtensor_layout(mesh: Any, placements: Tuple[Any, ...], gshape: Shape) -> Tuple[Shape, Shape, bool]:
     """This rank's local shape, global offset and main-replica flag of a DTensor laid out so; ValueError
     (the reason) when it cannot be saved."""
