@@ -334,7 +334,7 @@ class CheckpointManager:
             if self._writer is not None:
                 from nostall.saving.area import layout as file_layout
 
-                _, size = file_layout(plan.files_of(self.rank))
+                _, size = file_layout(plan.files)
                 budget = self.options.staging_budget_bytes
                 self._writer.ensure_alive()
                 self._writer.area.ensure(min(size, budget or size), cap=budget)

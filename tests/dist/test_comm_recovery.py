@@ -89,7 +89,7 @@ def _check_failures(out, late_ranks) -> None:
         (name_l, msg_l, _), _ = out[late][i]
         # the rank that waited timed out: it says so, and how to fix it
         assert name_w == "CheckpointTimeoutError", (name_w, msg_w)
-        for needle in (f"rank {waited}", "all_gather", f"{TIMEOUT:g}s", "raise the timeout", "late"):
+        for needle in (f"rank {waited}", "metadata ", f"{TIMEOUT:g}s", "raise the timeout", "late"):
             assert needle in msg_w, (needle, msg_w)
         # the late rank found the group closed by its peer (or timed out itself)
         assert name_l in ("CheckpointSaveError", "CheckpointTimeoutError"), (name_l, msg_l)

@@ -21,7 +21,7 @@ import pickle
 import sys
 import time
 import uuid
-from typing import Any, Callable, List, Optional, Set
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,15 @@ class Comm:
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def gather(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's ``obj`` on rank 0 (a list in rank order); None on the other ranks."""
+        return [obj]
+
+    def scatter(self, objs: Optional[Sequence[Any]]) -> Any:
+        """Rank 0's ``objs[r]`` on each rank ``r`` (``objs``: given on rank 0 only)."""
+        assert objs is not None
+        return objs[0]
 
     def close(self) -> None:
         pass
@@ -75,6 +84,14 @@ def _slot(data: bytes) -> torch.Tensor:
 
 def _slot_length(slot: torch.Tensor) -> int:
     return int(slot[:8].view(torch.int64).item())
+
+
+_TAIL_TAG = 7301
+"""Tag of the point-to-point message that carries a pickle longer than its slot (gather, scatter)."""
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def _padded(data: bytes, size: int) -> torch.Tensor:
@@ -323,6 +340,64 @@ class _TorchComm(Comm):
             return obj if self.rank == src else pickle.loads(_to_bytes(buf, n))
 
         return self._call("broadcast", run)
+
+    def gather(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's ``obj`` on rank 0, None elsewhere: one gather of :data:`SLOT`-sized messages, and a
+        point-to-point message to rank 0 from each rank whose pickle does not fit in its slot (rank 0 reads
+        the lengths from the slots). A rank other than 0 receives nothing: what it costs follows its own
+        message, not the job."""
+
+        def run() -> Optional[List[Any]]:
+            g = self.group
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            if self.rank != 0:
+                self._wait(g.gather([], [_slot(data)], opts))
+                if len(data) > SLOT - 8:
+                    self._wait(g.send([_bytes_tensor(data)], 0, _TAIL_TAG))
+                return None
+            slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(self.size)]
+            self._wait(g.gather([slots], [_slot(data)], opts))
+            n = [_slot_length(s) for s in slots]
+            tails = {r: torch.empty(n[r], dtype=torch.uint8) for r in range(1, self.size) if n[r] > SLOT - 8}
+            for w in [g.recv([t], r, _TAIL_TAG) for r, t in tails.items()]:
+                self._wait(w)
+            out: List[Any] = [obj]
+            for r in range(1, self.size):
+                t = tails.get(r)
+                out.append(pickle.loads(_to_bytes(slots[r][8:], n[r]) if t is None else _to_bytes(t, n[r])))
+            return out
+
+        return self._call("gather", run)
+
+    def scatter(self, objs: Optional[Sequence[Any]]) -> Any:
+        """Rank 0's ``objs[r]`` on each rank ``r``: one scatter of :data:`SLOT`-sized messages, and a
+        point-to-point message from rank 0 to each rank whose pickle does not fit in its slot. A rank other
+        than 0 receives its own object only."""
+
+        def run() -> Any:
+            g = self.group
+            opts = dist.ScatterOptions()
+            opts.rootRank = 0
+            mine = torch.empty(SLOT, dtype=torch.uint8)
+            if self.rank != 0:
+                self._wait(g.scatter([mine], [], opts))
+                n = _slot_length(mine)
+                if n <= SLOT - 8:
+                    return pickle.loads(_to_bytes(mine[8:], n))
+                tail = torch.empty(n, dtype=torch.uint8)
+                self._wait(g.recv([tail], 0, _TAIL_TAG))
+                return pickle.loads(_to_bytes(tail, n))
+            assert objs is not None and len(objs) == self.size
+            data = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+            self._wait(g.scatter([mine], [[_slot(d) for d in data]], opts))
+            for w in [g.send([_bytes_tensor(d)], r, _TAIL_TAG) for r, d in enumerate(data)
+                      if r and len(d) > SLOT - 8]:
+                self._wait(w)
+            return objs[0]
+
+        return self._call("scatter", run)
 
     def close(self) -> None:
         if self.owned:

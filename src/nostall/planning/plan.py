@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import gc
 import hashlib
+import pickle
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
@@ -111,6 +112,52 @@ def local_meta(flat: FlatState) -> RankMeta:
     return RankMeta(tuple(tensors), tuple(per_rank))
 
 
+# --------------------------------------------------------------------------- metadata on the wire
+
+_WIRE = 1  # version of encode_meta's layout
+
+
+def encode_meta(meta: RankMeta) -> bytes:
+    """``meta`` as one rank sends it to rank 0 for planning: columns, not pickled dataclasses.
+
+    A tuple of plain lists (keys, dtype codes, global shapes, offsets, shapes), the flags as bytes
+    (bit 0 sharded, bit 1 main), the ties by index, the per-rank entries and the signature,
+    pickled: an offset of zeros and a shape equal to the global shape (a replicated tensor) go as
+    None. About the key's length plus 10-20 bytes a piece.
+
+    >>> m = RankMeta((TensorMeta("w", "F32", (4, 2), (2, 0), (2, 2), True, True),), (("c", "I64", ()),))
+    >>> decode_meta(encode_meta(m)) == m
+    True
+    """
+    ts = meta.tensors
+    offsets = [None if not any(t.offset) else t.offset for t in ts]
+    shapes = [None if t.shape == t.global_shape else t.shape for t in ts]
+    flags = bytes((1 if t.sharded else 0) | (2 if t.main else 0) for t in ts)
+    ties = {i: t.tied_to for i, t in enumerate(ts) if t.tied_to}
+    cols = (_WIRE, [t.key for t in ts], [t.dtype for t in ts], [t.global_shape for t in ts], offsets, shapes,
+            flags, ties, meta.per_rank, meta.signature())
+    return pickle.dumps(cols, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_meta(blob: bytes) -> RankMeta:
+    """The :class:`RankMeta` that :func:`encode_meta` encoded (its signature kept, not recomputed)."""
+    version, keys, dtypes, gshapes, offsets, shapes, flags, ties, per_rank, sig = pickle.loads(blob)
+    if version != _WIRE:
+        raise InvalidStateError(f"planning metadata of layout {version}, this nostall reads {_WIRE}: every rank "
+                                "must run the same nostall version")
+    tensors = []
+    for i, (key, code, gshape, off, shp, fl) in enumerate(zip(keys, dtypes, gshapes, offsets, shapes, flags)):
+        m = _new(TensorMeta)
+        m.__dict__.update(key=key, dtype=code, global_shape=gshape,
+                          offset=off if off is not None else (0,) * len(gshape),
+                          shape=shp if shp is not None else gshape, sharded=bool(fl & 1), main=bool(fl & 2),
+                          tied_to=ties.get(i, ""))
+        tensors.append(m)
+    out = RankMeta(tuple(tensors), tuple(per_rank))
+    object.__setattr__(out, "_signature", sig)
+    return out
+
+
 # --------------------------------------------------------------------------- the plan
 
 
@@ -155,6 +202,22 @@ class FilePlan:
     items: Tuple[WriteItem, ...]  # in file order
 
 
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's share of a plan: what it writes, and what it checksums for the replica check.
+
+    Rank 0 plans the whole save and sends each rank its share (:mod:`nostall.planning.rounds`);
+    its size follows the rank's own pieces, not the job's.
+    """
+
+    plan_id: str  # rank 0's name for the plan this share is of
+    rank: int
+    world_size: int
+    files: Tuple[FilePlan, ...]  # the data files this rank writes
+    total_bytes: int  # the size of all the plan's data files (for the stats)
+    copies: Tuple[str, ...] = ()  # keys this rank holds a copy of that other ranks hold too
+
+
 @dataclass
 class SavePlan:
     world_size: int
@@ -163,6 +226,7 @@ class SavePlan:
     files: Dict[str, FilePlan]
     signatures: Tuple[str, ...] = ()
     _by_rank: Dict[int, List[FilePlan]] = field(default_factory=dict)
+    _total: int = -1  # total_bytes, once computed
 
     def files_of(self, rank: int) -> List[FilePlan]:
         if not self._by_rank:
@@ -172,6 +236,12 @@ class SavePlan:
 
     def file_sizes(self) -> Dict[str, int]:
         return {n: f.size for n, f in self.files.items()}
+
+    def share(self, rank: int, plan_id: str, copies: Sequence[str] = ()) -> RankPlan:
+        """The :class:`RankPlan` of ``rank``."""
+        if self._total < 0:
+            self._total = sum(f.size for f in self.files.values())
+        return RankPlan(plan_id, rank, self.world_size, tuple(self.files_of(rank)), self._total, tuple(copies))
 
 
 _KEY = attrgetter("key")

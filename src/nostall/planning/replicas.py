@@ -7,9 +7,11 @@ ranks' copies differ (an optimizer's ``exp_avg`` of a tensor-parallel weight
 saved as a plain tensor, a per-rank counter saved as a tensor), the other
 ranks' values would be lost without a word; this check refuses such a save.
 
-Each rank checksums the copies it holds (crc32c of the bytes), the checksums
-are gathered, and the verdict is computed alike on every rank from the same
-gathered data, so every rank raises the same error.
+Rank 0 finds the keys several ranks hold (:func:`shared_keys`, while it plans)
+and tells each rank which of its keys to checksum (:func:`copies_of`); each
+rank checksums its copies (crc32c of the bytes), rank 0 gathers the checksums
+and sends every rank the same verdict (:mod:`nostall.planning.rounds`), so
+every rank raises the same error.
 
 Example::
 
@@ -54,12 +56,23 @@ def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[int, ...]]:
     return out
 
 
-def digests(flat: FlatState, shared: Dict[str, Tuple[int, ...]], rank: int) -> Dict[str, int]:
-    """crc32c of this rank's copy of each shared key it holds."""
-    out: Dict[str, int] = {}
+def copies_of(shared: Dict[str, Tuple[int, ...]], world: int) -> List[List[str]]:
+    """Each rank's keys in ``shared`` (:func:`shared_keys`): what it checksums for the check.
+
+    >>> copies_of({"a": (0, 1), "b": (1, 2)}, 3)
+    [['a'], ['a', 'b'], ['b']]
+    """
+    out: List[List[str]] = [[] for _ in range(world)]
     for key, ranks in shared.items():
-        if rank not in ranks:
-            continue
+        for r in ranks:
+            out[r].append(key)
+    return out
+
+
+def digests(flat: FlatState, keys: Sequence[str]) -> Dict[str, int]:
+    """crc32c of this rank's copy of each key of ``keys`` (its :func:`copies_of`)."""
+    out: Dict[str, int] = {}
+    for key in keys:
         t = flat.tensors[key].data.detach()
         if t.device.type != "cpu":  # through host memory a bounded slice at a time
             flatv = t.reshape(-1)

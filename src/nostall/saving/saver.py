@@ -50,20 +50,11 @@ from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, Sa
 from nostall.core.model import FlatState, flatten
 from nostall.options import Options
 from nostall.saving.side_files import SideFiles
-from nostall.planning.plan import FilePlan, SavePlan, TensorPlan, WriteItem, build_plan, check_objects, local_meta
+from nostall.planning.plan import FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, encode_meta, local_meta
+from nostall.planning.rounds import Report, Rounds
 from nostall.saving.area import cut_chunks, layout
 
 log = logging.getLogger("nostall")
-
-
-def _failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int], cls: type) -> Optional[Exception]:
-    """The error naming every rank whose outcome is an error message, or None."""
-    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg]
-    if not failed:
-        return None
-    where = f"step {step}" if step is not None else "checkpoint"
-    details = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
-    return cls(f"{what} of {where} failed on rank(s) {[r for r, _ in failed]}: {details}")
 
 
 def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
@@ -85,7 +76,8 @@ class CollectiveBarrier(Barrier):
         self.comm = comm
 
     def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
-        return dict(enumerate(self.comm.all_gather(mine)))
+        got = self.comm.gather(mine)  # every rank's on rank 0 only
+        return dict(enumerate(got)) if got is not None else {}
 
     def announce(self, job: SaveJob, outcome: Outcome, deadline: float) -> None:
         self.comm.broadcast(outcome, src=0)
@@ -130,9 +122,10 @@ class Prepared:
 
     dest: Destination
     flat: FlatState
-    plan: SavePlan
-    objects: Dict[str, Any]
-    per_rank_objects: List[Dict[str, Any]]
+    mine: RankPlan  # this rank's share of the plan
+    plan: Optional[SavePlan]  # rank 0: the whole plan
+    objects: Dict[str, Any]  # rank 0: merged from every rank
+    per_rank_objects: List[Dict[str, Any]]  # rank 0: every rank's
     cached: bool
     t0: float
     t_plan: float
@@ -284,8 +277,7 @@ class Saver:
         self.comm = comm
         self.options = options
         self.faults = faults if faults is not None else Faults()
-        self._plan: Optional[SavePlan] = None
-        self._shared: Dict[str, Tuple[int, ...]] = {}  # keys several ranks hold a copy of (for the plan above)
+        self._rounds = Rounds(comm)  # the collective phases, and the plan they keep
         self._history = History()  # synchronous saves' memory of this rank's last committed save (incremental)
         self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
         self._chain = 0  # saves in the current chain (Options.full_every)
@@ -293,9 +285,9 @@ class Saver:
         self._last_records: Optional[Destination] = None  # the last async save (the next job drops its records)
 
     # ------------------------------------------------------------------ collective phases
-    def plan(self, state: Any) -> SavePlan:
-        """Plan ``state`` without saving it (collective)."""
-        return self._prepare(state, None, None, time.perf_counter(), records=False).plan
+    def plan(self, state: Any) -> RankPlan:
+        """Plan ``state`` without saving it (collective): this rank's share of the plan."""
+        return self._prepare(state, None, None, time.perf_counter(), records=False).mine
 
     def _prepare(self, state: Any, template: Optional[Destination], step: Optional[int], t0: float,
                  records: bool, given: Optional[Mapping[str, Any]] = None) -> Prepared:
@@ -351,67 +343,23 @@ class Saver:
     def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
                     meta: Any, step: Optional[int], save_id: str, dest: Optional[Destination],
                     t0: float) -> Tuple[Optional[Exception], Optional[Prepared]]:
-        """Exchange every rank's outcome and signature; plan (or reuse the cached plan).
+        """The collective phases (:mod:`nostall.planning.rounds`): outcomes, plan (or the held one), replicas.
 
-        Returns the error every rank raises alike (from the exchanged outcomes), or the prepared save.
+        Returns the error every rank raises alike, or the prepared save.
         """
-        comm = self.comm
+        rounds = self._rounds
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
-        round1 = comm.all_gather((state_err, target_err, sig, objs, step, save_id))
-        agreed = (_failures([r[0] for r in round1], "save", step, InvalidStateError)
-                  or _failures([r[1] for r in round1], "save", step, CheckpointSaveError))
-        if agreed is None and len({r[4] for r in round1}) > 1:
-            agreed = InvalidStateError(
-                "ranks disagree on the step being saved: "
-                + ", ".join(f"rank {i}: {r[4]}" for i, r in enumerate(round1))
-            )
-        if agreed is not None:
-            return agreed, None
-        assert flat is not None and meta is not None
-        sigs = tuple(r[2] for r in round1)
-        cached = self._plan is not None and self._plan.signatures == sigs
-        if cached:
-            plan = self._plan
-        else:
-            self._plan = None
-            metas = comm.all_gather(meta)
-            try:
-                plan = build_plan(metas)
-            except InvalidStateError as e:  # computed identically on every rank from the same metadata
-                return e, None
-            self._plan, self._shared = plan, replicas.shared_keys(metas)
-        assert plan is not None
-        check = self.options.check_replicas
-        if self._shared and (check or (check is None and not cached)):
-            error = self._check_replicas(flat)
-            if error is not None:
-                self._plan = None  # the next save checks again, even with the same structure
-                return error, None
-        try:
-            objects = check_objects([r[3][0] for r in round1], plan.tensors)
-        except InvalidStateError as e:
-            return e, None
+        report = Report(state_err, target_err, rounds.holds(sig), objs[0], objs[1], step)
+        error, agreed = rounds.run(report, sig, lambda: encode_meta(meta),
+                                   lambda keys: replicas.digests(flat, keys),  # type: ignore[arg-type]
+                                   self.options.check_replicas, save_id)
+        if error is not None:
+            return error, None
+        assert flat is not None and agreed is not None
         if dest is None:  # planning only
             dest = Destination(None, "", step, "")
-        return None, Prepared(replace(dest, save_id=round1[0][5]), flat, plan, objects, [r[3][1] for r in round1],
-                              cached, t0, time.perf_counter())
-
-    def _check_replicas(self, flat: FlatState) -> Optional[InvalidStateError]:
-        """Compare every rank's copies of the keys saved once for several ranks (collective).
-
-        Every rank gets the same verdict from the same gathered checksums.
-        """
-        mine: Any
-        try:
-            mine = replicas.digests(flat, self._shared, self.comm.rank)
-        except Exception as e:  # the others must not wait for this rank's checksums
-            mine = f"rank {self.comm.rank}: checksumming its replicated tensors failed: {describe(e)}"
-        gathered = self.comm.all_gather(mine)
-        failed = [g for g in gathered if isinstance(g, str)]
-        if failed:
-            return InvalidStateError("; ".join(failed))
-        problem = replicas.disagreements(self._shared, gathered)
-        return InvalidStateError(problem) if problem is not None else None
+        return None, Prepared(replace(dest, save_id=agreed.save_id), flat, agreed.mine, agreed.plan, agreed.objects,
+                              agreed.per_rank_objects, agreed.cached, t0, time.perf_counter())
 
     def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
         incremental = self.options.incremental and p.dest.move_latest  # only in a root whose steps a manager owns
@@ -420,6 +368,7 @@ class Saver:
         if self.comm.rank == 0:
             root = dest.root
             # data files keep their planned names here: the commit names them as stored (Manifest.with_placed)
+            assert p.plan is not None
             if self._records is None or self._records[0] is not p.plan:
                 self._records = (p.plan, tensor_records(p.plan))
             manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
@@ -464,7 +413,7 @@ class Saver:
         p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=False,
                           given=side)
         crash_point("planned", p.step)
-        files = p.plan.files_of(comm.rank)
+        files = p.mine.files
         job = self._job(p, _file_jobs(files))
 
         def source(i: int, f: FileJob) -> Tuple[memoryview, Iterator[Tuple[int, memoryview]]]:
@@ -480,7 +429,7 @@ class Saver:
             step=p.step, rank=comm.rank, world_size=comm.size, async_save=False,
             stall_s=t_end - p.t0, wait_s=t_start - p.t0, plan_s=p.t_plan - t_start, stage_s=0.0,
             write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
-            bytes_written=result.bytes_written, total_bytes=sum(f.size for f in p.plan.files.values()),
+            bytes_written=result.bytes_written, total_bytes=p.mine.total_bytes,
             plan_cached=p.cached,
         )
         _log_stats(stats, p.dest.path)
@@ -502,7 +451,7 @@ class Saver:
                           given=side)
         crash_point("planned", p.step)
         writer.ensure_alive()
-        files = p.plan.files_of(self.comm.rank)
+        files = p.mine.files
         job = replace(self._job(p, ()), max_write_rate=self.options.max_write_rate,
                       drop_records=self._last_records if self.comm.rank == 0 else None)
         self._last_records = job.dest
@@ -540,7 +489,7 @@ class Saver:
             step=p.step, rank=self.comm.rank, world_size=self.comm.size, async_save=True,
             stall_s=pending.stall_s, wait_s=pending.t_start - p.t0, plan_s=p.t_plan - pending.t_start,
             stage_s=pending.stage_s, write_s=None, commit_s=None, total_s=None, bytes_written=None,
-            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            total_bytes=p.mine.total_bytes, plan_cached=p.cached,
             overlap=pending.overlap, chunks=pending.chunks, staging_bytes=pending.staging_bytes, final=False,
         )
 
@@ -558,7 +507,7 @@ class Saver:
             plan_s=p.t_plan - pending.t_start, stage_s=pending.stage_s,
             write_s=result.write_s, commit_s=result.commit_s, total_s=t_end - p.t0,
             bytes_written=result.bytes_written,
-            total_bytes=sum(f.size for f in p.plan.files.values()), plan_cached=p.cached,
+            total_bytes=p.mine.total_bytes, plan_cached=p.cached,
             overlap=pending.overlap, staged_wait_s=pending.staged_wait_s,
             chunks=pending.chunks, staging_bytes=pending.staging_bytes,
         )
