@@ -206,8 +206,9 @@ class FilePlan:
 class RankPlan:
     """One rank's share of a plan: what it writes, and what it checksums for the replica check.
 
-    Rank 0 plans the whole save and sends each rank its share (:mod:`nostall.planning.rounds`);
-    its size follows the rank's own pieces, not the job's.
+    Rank 0 plans the whole save and tells each rank which of its pieces it writes; the rank lays out
+    its file itself (:func:`own_files`, :mod:`nostall.planning.rounds`): its cost follows its own
+    pieces, not the job's.
     """
 
     plan_id: str  # rank 0's name for the plan this share is of
@@ -226,7 +227,6 @@ class SavePlan:
     files: Dict[str, FilePlan]
     signatures: Tuple[str, ...] = ()
     _by_rank: Dict[int, List[FilePlan]] = field(default_factory=dict)
-    _total: int = -1  # total_bytes, once computed
 
     def files_of(self, rank: int) -> List[FilePlan]:
         if not self._by_rank:
@@ -236,12 +236,6 @@ class SavePlan:
 
     def file_sizes(self) -> Dict[str, int]:
         return {n: f.size for n, f in self.files.items()}
-
-    def share(self, rank: int, plan_id: str, copies: Sequence[str] = ()) -> RankPlan:
-        """The :class:`RankPlan` of ``rank``."""
-        if self._total < 0:
-            self._total = sum(f.size for f in self.files.values())
-        return RankPlan(plan_id, rank, self.world_size, tuple(self.files_of(rank)), self._total, tuple(copies))
 
 
 _KEY = attrgetter("key")
@@ -477,14 +471,7 @@ def _file_entries(metas: Sequence[RankMeta], pieces: List[_Piece], owners: List[
     offset_name: Dict[Shape, str] = {}  # one suffix string per distinct offset
     for idx, (key, off, shp, code, _holders) in enumerate(pieces):
         r = owners[idx]
-        gshape = headers[key][1]
-        if shp == gshape:
-            name = key if key != "__metadata__" else key + "@"  # as format.piece_name names it
-        else:
-            suffix = offset_name.get(off)
-            if suffix is None:
-                suffix = offset_name[off] = "@" + ",".join(str(o) for o in off)
-            name = key + suffix
+        name = _entry_name(key, off, shp, headers[key][1], offset_name)
         ents = entries_of.get(r)
         if ents is None:
             entries_of[r] = ents = []
@@ -498,10 +485,30 @@ def _file_entries(metas: Sequence[RankMeta], pieces: List[_Piece], owners: List[
     return entries_of, index_of
 
 
+def lay_out_file(rank: int, world: int, entries: Sequence[_Entry],
+                 items: Sequence[Tuple[str, bool, Shape]]) -> Tuple[FilePlan, List[Tuple[int, int]]]:
+    """Rank ``rank``'s data file (``format.layout_entries``: header and byte ranges) holding ``entries`` in
+    that order, each written from the leaf ``items[i]`` names (key, per-rank, offset); and each entry's range.
+
+    The one layout of a data file: rank 0 lays out every rank's while planning, and each rank its own
+    from its share (:func:`own_files`).
+    """
+    name = data_file_name(rank)
+    try:
+        header, ranges, size = layout_entries(entries, {"format": "nostall", "rank": str(rank),
+                                                        "world_size": str(world)})
+    except ValueError as err:
+        raise InvalidStateError(f"rank {rank}: {err}") from None
+    its = [_write_item(key, per_rank, off, name, start, end)
+           for (key, per_rank, off), (start, end) in zip(items, ranges)]
+    its.sort(key=_START)
+    return FilePlan(name, rank, header, size, tuple(its)), ranges
+
+
 def _lay_out_files(metas: Sequence[RankMeta], pieces: List[_Piece], entries_of: Mapping[int, List[_Entry]],
                    index_of: Mapping[int, List[int]]
                    ) -> Tuple[Dict[str, FilePlan], List[_Where], Dict[Tuple[int, int], _Where]]:
-    """Lay out one data file per writing rank (``format.layout_entries``: header and byte ranges).
+    """Lay out one data file per writing rank (:func:`lay_out_file`).
 
     Returns the file plans, where each piece's bytes lie (by piece index), and where each per-rank
     tensor's lie (by ``(rank, i)``).
@@ -511,27 +518,57 @@ def _lay_out_files(metas: Sequence[RankMeta], pieces: List[_Piece], entries_of: 
     where: List[_Where] = [("", 0, 0)] * len(pieces)
     per_rank_where: Dict[Tuple[int, int], _Where] = {}
     for r in sorted(entries_of):
-        name = data_file_name(r)
-        try:
-            header, ranges, size = layout_entries(
-                entries_of[r], {"format": "nostall", "rank": str(r), "world_size": str(world)}
-            )
-        except ValueError as err:
-            raise InvalidStateError(f"rank {r}: {err}") from None
-        items = []
         per_rank = metas[r].per_rank
+        items = [(pieces[idx][0], False, pieces[idx][1]) if idx >= 0
+                 else (per_rank[-1 - idx][0], True, (0,) * len(per_rank[-1 - idx][2])) for idx in index_of[r]]
+        fp, ranges = lay_out_file(r, world, entries_of[r], items)
         for idx, (start, end) in zip(index_of[r], ranges):
             if idx >= 0:
-                key, off = pieces[idx][0], pieces[idx][1]
-                where[idx] = (name, start, end)
-                items.append(_write_item(key, False, off, name, start, end))
+                where[idx] = (fp.name, start, end)
             else:
-                k, _code, shape = per_rank[-1 - idx]
-                per_rank_where[(r, -1 - idx)] = (name, start, end)
-                items.append(_write_item(k, True, (0,) * len(shape), name, start, end))
-        items.sort(key=_START)
-        files[name] = FilePlan(name, r, header, size, tuple(items))
+                per_rank_where[(r, -1 - idx)] = (fp.name, start, end)
+        files[fp.name] = fp
     return files, where, per_rank_where
+
+
+def _entry_name(key: str, off: Shape, shp: Shape, gshape: Shape, names: Dict[Shape, str]) -> str:
+    """The piece's name in its file, as ``format.piece_name`` gives it (``names``: suffix per offset, reused)."""
+    if shp == gshape:
+        return key if key != "__metadata__" else key + "@"
+    suffix = names.get(off)
+    if suffix is None:
+        suffix = names[off] = "@" + ",".join(str(o) for o in off)
+    return key + suffix
+
+
+def own_files(meta: RankMeta, rank: int, world: int, owned: bytes) -> Tuple[FilePlan, ...]:
+    """This rank's data file, laid out from its own metadata and its share: ``owned[i]`` says whether it
+    writes the piece of ``meta.tensors[i]``. The same file :func:`build_plan` lays out for the rank
+    (its pieces in key order, then its per-rank tensors), at a cost of its own pieces.
+    """
+    ts = meta.tensors
+    if len(owned) != len(ts):
+        raise InvalidStateError(f"rank {rank}: its share of the plan names {len(owned)} pieces, it holds {len(ts)}: "
+                                "the structure changed while planning")
+    names: Dict[Shape, str] = {}
+    entries: List[_Entry] = []
+    items: List[Tuple[str, bool, Shape]] = []
+    for t in sorted((t for t, o in zip(ts, owned) if o), key=_KEY):
+        nbytes = numel(t.shape) * itemsize(t.dtype)
+        entries.append((_entry_name(t.key, t.offset, t.shape, t.global_shape, names), t.dtype, t.shape, nbytes))
+        items.append((t.key, False, t.offset))
+    for k, code, shape in meta.per_rank:
+        entries.append((k, code, shape, numel(shape) * itemsize(code)))
+        items.append((k, True, (0,) * len(shape)))
+    if not entries:
+        return ()
+    return (lay_out_file(rank, world, entries, items)[0],)
+
+
+def owned_pieces(plan: SavePlan, meta: RankMeta, rank: int) -> bytes:
+    """The ``owned`` of :func:`own_files` for ``rank`` (holding ``meta``) in ``plan``."""
+    mine = {(it.key, it.offset) for f in plan.files_of(rank) for it in f.items if not it.per_rank}
+    return bytes((t.key, t.offset) in mine for t in meta.tensors)
 
 
 def _tensor_plans(pieces: List[_Piece], owners: List[int], where: List[_Where],

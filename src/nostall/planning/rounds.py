@@ -12,7 +12,10 @@ answer from it, which every rank then acts on alike:
 2. **metadata** (the first save, or when some rank's structure changed): each
    rank's compact metadata (:func:`~nostall.planning.plan.encode_meta`) goes to
    rank 0, which plans the whole save (:func:`~nostall.planning.plan.build_plan`)
-   and sends each rank its share (:class:`~nostall.planning.plan.RankPlan`);
+   and sends each rank its share: which of its pieces it writes (a byte each),
+   the keys it checksums for the replica check (by index), the plan's id and
+   total size; the rank lays out its own file from it
+   (:func:`~nostall.planning.plan.own_files`, :class:`~nostall.planning.plan.RankPlan`);
 3. **replicas** (the first save of a plan, or every save when asked): each
    rank's checksums of the copies it holds go to rank 0, which answers with the
    verdict (:mod:`nostall.planning.replicas`).
@@ -29,14 +32,14 @@ from __future__ import annotations
 import gc
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
-
 from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from nostall.errors import CheckpointSaveError, InvalidStateError, describe
 from nostall.planning import replicas
 from nostall.planning.comm import Comm
-from nostall.planning.plan import RankPlan, SavePlan, build_plan, check_objects, decode_meta
+from nostall.planning.plan import (RankMeta, RankPlan, SavePlan, build_plan, check_objects, decode_meta, encode_meta,
+                                   own_files, owned_pieces)
 
 __all__ = ["Report", "Agreed", "Rounds"]
 
@@ -112,12 +115,12 @@ class Rounds:
         self._mine = None
         self._plan = None
 
-    def run(self, report: Report, signature: str, meta: Callable[[], bytes],
+    def run(self, report: Report, meta: RankMeta,
             digests: Callable[[Sequence[str]], Dict[str, int]], check: Optional[bool],
             save_id: str) -> Tuple[Optional[Exception], Optional[Agreed]]:
         """The three phases (collective). Returns the error every rank raises alike, or the agreed save.
 
-        ``meta`` encodes this rank's metadata (called only when rank 0 asks for it); ``digests``
+        ``meta``: this rank's metadata (sent only when rank 0 asks for it); ``digests``
         checksums the given keys of this rank's state; ``check``: the replica check's option (None:
         on a new plan only); ``save_id``: rank 0's id for this save.
         """
@@ -139,7 +142,7 @@ class Rounds:
             if isinstance(share, Exception):
                 return share, None
             check_now = share
-            self._mine_sig = signature
+            self._mine_sig = meta.signature()
         mine = self._mine
         assert mine is not None
         if check_now:
@@ -194,7 +197,14 @@ class Rounds:
                 shared = replicas.shared_keys(metas)
                 copies = replicas.copies_of(shared, len(metas))
                 plan_id = uuid.uuid4().hex
-                shares = [plan.share(r, plan_id, copies[r]) for r in range(len(metas))]
+                total = sum(f.size for f in plan.files.values())
+                index = [{k: i for i, k in enumerate(t.key for t in m.tensors)} if copies[r] else {}
+                         for r, m in enumerate(metas)]
+                shares = [(plan_id, owned_pieces(plan, m, r), tuple(index[r][k] for k in copies[r]), total)
+                          for r, m in enumerate(metas)]
+                if own_files(metas[0], 0, len(metas), shares[0][1]) != tuple(plan.files_of(0)):
+                    # every rank lays out its own file: rank 0's, checked against the plan, proves the rule
+                    raise AssertionError("rank 0's file laid out from its share differs from the plan's")
         except InvalidStateError as e:  # computed from every rank's metadata: every rank raises it
             return [("state", str(e))] * len(blobs)
         except Exception as e:  # anything else must reach the other ranks too
@@ -204,14 +214,14 @@ class Rounds:
         return [(s, check_now) for s in shares]
 
     # ------------------------------------------------------------------ every rank
-    def _replan(self, meta: Callable[[], bytes], check: Optional[bool]) -> Any:
-        """The metadata phase: this rank's metadata to rank 0, its share back. Returns whether to check the
-        replicas now, or the error every rank raises."""
+    def _replan(self, meta: RankMeta, check: Optional[bool]) -> Any:
+        """The metadata phase: this rank's metadata to rank 0, its share back, its file laid out. Returns
+        whether to check the replicas now, or the error every rank raises."""
         comm = self.comm
         self.forget()
         blob: Any
         try:
-            blob = meta()
+            blob = encode_meta(meta)
         except Exception as e:  # the others must not wait for this rank's metadata
             blob = f"rank {comm.rank}: encoding its metadata failed: {describe(e)}"
         blobs = comm.gather(blob)
@@ -220,8 +230,11 @@ class Rounds:
         if isinstance(got[0], str):  # (kind, message)
             self._plan = None
             return _raise(got)
-        self._mine = got[0]
-        return got[1]
+        (plan_id, owned, copies, total), check_now = got
+        files = own_files(meta, comm.rank, comm.size, owned)
+        self._mine = RankPlan(plan_id, comm.rank, comm.size, files, total,
+                              tuple(meta.tensors[i].key for i in copies))
+        return check_now
 
     def _check_replicas(self, mine: RankPlan, digests: Callable[[Sequence[str]], Dict[str, int]]) -> _Error:
         """The replica phase: this rank's checksums to rank 0, the verdict back."""
