@@ -50,7 +50,7 @@ from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, Sa
 from nostall.core.model import FlatState, flatten
 from nostall.options import Options
 from nostall.saving.side_files import SideFiles
-from nostall.planning.plan import FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, encode_meta, local_meta
+from nostall.planning.plan import FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, local_meta
 from nostall.planning.rounds import Report, Rounds
 from nostall.saving.area import cut_chunks, layout
 
@@ -350,7 +350,7 @@ class Saver:
         rounds = self._rounds
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
         report = Report(state_err, target_err, rounds.holds(sig), objs[0], objs[1], step)
-        error, agreed = rounds.run(report, sig, lambda: encode_meta(meta),
+        error, agreed = rounds.run(report, meta,
                                    lambda keys: replicas.digests(flat, keys),  # type: ignore[arg-type]
                                    self.options.check_replicas, save_id)
         if error is not None:
