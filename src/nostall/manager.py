@@ -18,6 +18,7 @@ from nostall.saving.background import BackgroundWriter
 from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.handles import OnCommit, SaveHandle, SaveStats
 from nostall.core.jobs import Destination
+from nostall.loading.collective import shared_manifest
 from nostall.loading.reader import load_state
 from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
 from nostall.storage.root import Claim, Root, step_name
@@ -629,7 +630,8 @@ class CheckpointManager:
     def load(self, state: Any = None, step: Optional[int] = None, *, model: Any = None, optimizer: Any = None,
              scheduler: Any = None, rng: bool = True, extra: Any = None, layout: Optional[ParallelLayout] = None,
              path: Any = None, strict: bool = True, verify: bool = True, per_rank: str = "error") -> Any:
-        """Restore checkpoint ``step`` (None: latest); not a collective call.
+        """Restore checkpoint ``step`` (None: latest); a collective call over the group, as ``save`` is
+        (rank 0 reads the manifest and each rank gets its part; ``shared_loads=False``: each rank alone).
 
         Training objects, restored in place (a fresh optimizer needs no
         preparation; its learning rate and the scheduler come back too)::
@@ -669,26 +671,44 @@ class CheckpointManager:
         with self._lock:
             self._check_open()
             self._finalize(None, flush=True)  # one another thread (or a callback) started meanwhile
-            if path is not None:
-                found, name, _ = resolve(os.fspath(path), step, storage_options=self.options.storage_options)
-                path = found.path(name)
-            elif step is None:
-                step = self.latest_step()
-                if step is None:
-                    raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-                path = self.path_for(step)
-            elif step not in self.steps():  # (refuses a symlinked step_<N>)
-                raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
-                                              f"checkpoint of step {step} (committed steps: {self.steps()})")
-            else:
-                path = self.path_for(step)
+            try:
+                path = self._load_path(path, step)
+            except CheckpointError as e:
+                if not self._shared_loads:
+                    raise
+                shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
+                raise  # (on rank 0, shared_manifest raised it on every rank)
             if training is not None:
                 return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
                                      per_rank=per_rank, storage_options=self.options.storage_options,
-                                     timeout=self.options.timeout)
+                                     timeout=self.options.timeout,
+                                     comm=self._comm if self._shared_loads else None)
+            manifest = None
+            if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
+                manifest, _ = shared_manifest(self._comm, path, lambda head: state, self.options.storage_options)
             return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
-                              verify=verify, per_rank=per_rank, storage_options=self.options.storage_options,
-                              timeout=self.options.timeout)
+                              verify=verify, per_rank=per_rank, manifest=manifest,
+                              storage_options=self.options.storage_options, timeout=self.options.timeout)
+
+    @property
+    def _shared_loads(self) -> bool:
+        """Whether loads are collective (:mod:`nostall.loading.collective`)."""
+        return self.options.shared_loads and self._comm.size > 1
+
+    def _load_path(self, path: Any, step: Optional[int]) -> str:
+        """The checkpoint a load reads: ``path`` (a checkpoint, or a run root's ``step`` or latest), or this
+        manager's ``step`` or latest."""
+        if path is not None:
+            found, name, _ = resolve(os.fspath(path), step, storage_options=self.options.storage_options)
+            return found.path(name)
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        elif step not in self.steps():  # (refuses a symlinked step_<N>)
+            raise CheckpointNotFoundError(f"{self.path_for(step)} is not a committed checkpoint: no "
+                                          f"checkpoint of step {step} (committed steps: {self.steps()})")
+        return self.path_for(step)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: Optional[float] = None) -> None:

@@ -94,6 +94,11 @@ class Options:
             docs/incremental.md.
         full_every: with ``incremental``, write everything every this many
             saves (a fresh chain); None: only the manager's first save.
+        shared_loads: a manager's load over more than one rank is a
+            collective call: rank 0 reads the manifest once and sends each
+            rank the part it needs (docs/protocol.md, "Loading"), so a rank
+            neither reads nor holds the whole job's. False: each rank reads
+            the manifest itself, and a rank may load alone.
     """
 
     keep_last: Optional[int] = None
@@ -110,6 +115,7 @@ class Options:
     max_write_rate: Optional[float] = None
     incremental: bool = False
     full_every: Optional[int] = None
+    shared_loads: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:

@@ -41,7 +41,9 @@ import torch
 from nostall.errors import CheckpointLoadError, InvalidStateError
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.dtypes import torch_dtype
+from nostall.loading.collective import shared_manifest
 from nostall.loading.manifests import read_manifest
+from nostall.planning.comm import Comm
 from nostall.loading.reader import KeyReport, load_state_keys
 from nostall.core.model import PerRank, ShardedTensor, escape_component, is_dtensor
 from nostall.saving.saver import RankZeroOnly
@@ -502,11 +504,16 @@ class Training:
 
 def load_training(training: Training, path: str, *, rank: int, world_size: int, verify: bool = True,
                   per_rank: str = "error", storage_options: Optional[Dict[str, Any]] = None,
-                  timeout: Optional[float] = None) -> LoadedCheckpoint:
+                  timeout: Optional[float] = None, comm: Optional[Comm] = None) -> LoadedCheckpoint:
     """Restore ``training``'s objects from the checkpoint at ``path`` (a directory or URL); strict as
-    ``training.strict`` says (see :class:`Training`)."""
-    m = read_manifest(path, storage_options)
-    template = training.template(m, rank, world_size, path)
+    ``training.strict`` says (see :class:`Training`). ``comm``: the group loading together (rank 0 reads
+    the manifest and gives each rank its share, :mod:`nostall.loading.collective`)."""
+    if comm is not None and comm.size > 1:
+        m, template = shared_manifest(comm, path, lambda head: training.template(head, rank, world_size, path),
+                                      storage_options)
+    else:
+        m = read_manifest(path, storage_options)
+        template = training.template(m, rank, world_size, path)
     restored, report = load_state_keys(template, path, strict=training.strict, scope=training.scope(), rank=rank,
                                        world_size=world_size, verify=verify, per_rank=per_rank, manifest=m,
                                        storage_options=storage_options, timeout=timeout)

@@ -134,7 +134,7 @@ class CheckpointingMixin:
     def load_checkpoint(self, model: Any, ckpt_dir: str, optimizer: Any = None, scheduler: Any = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True) -> Tuple[str, Dict[str, Any]]:
-        """Restore in place from ``ckpt_dir`` (finalizes pending saves first; not collective).
+        """Restore in place from ``ckpt_dir`` (finalizes pending saves first; collective, as the manager's load).
 
         Returns ``(ckpt_dir, states)``: ``states`` holds ``step`` (None: the
         seam names no step), ``rng_restored``, ``layout`` (the saving run's

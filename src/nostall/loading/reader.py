@@ -1,8 +1,9 @@
 """Loading: fill a template state from a checkpoint, resharding as needed.
 
-No collective is needed: every rank reads the manifest and, for each tensor of
-its template, the byte ranges of the saved pieces that intersect the region it
-holds. Reads are aligned to checksum blocks, so every byte used is verified.
+No collective is needed: a rank reads the manifest (or is given its share of
+it, :mod:`nostall.loading.collective`) and, for each tensor of its template,
+the byte ranges of the saved pieces that intersect the region it holds.
+Reads are aligned to checksum blocks, so every byte used is verified.
 A piece needed whole lands straight in the destination tensor (no extra copy).
 The reads themselves are :mod:`nostall.loading.engine`'s; every file is read
 through the checkpoint's :class:`~nostall.storage.root.Root` (:mod:`nostall.loading.sources`).
@@ -30,7 +31,7 @@ from nostall.loading.engine import Read, Shape
 from nostall.loading.manifests import read_manifest
 from nostall.loading.sources import DataFiles, Verifier, open_files
 
-__all__ = ["KeyReport", "load_state", "load_state_keys"]
+__all__ = ["KeyReport", "load_state", "load_state_keys", "template_boxes"]
 
 log = logging.getLogger("nostall")
 
@@ -328,6 +329,31 @@ def _mismatch(path: str, report: KeyReport) -> str:
             "both are reported)")
 
 
+def _leaf_box(key: str, v: Any) -> Tuple[torch.Tensor, Shape, Shape]:
+    """A template tensor leaf's destination, global offset and global shape."""
+    if isinstance(v, ShardedTensor):
+        return v.data, tuple(v.global_offset), tuple(v.global_shape)
+    if is_dtensor(v):
+        dest, off, gshape, _ = dtensor_box(v, key)
+        return dest, off, gshape
+    return v, (0,) * v.dim(), tuple(v.shape)
+
+
+def template_boxes(template: Any) -> Dict[str, List[Tuple[Shape, Shape]]]:
+    """The global boxes ``(offset, shape)`` of each tensor key ``template`` loads (PerRank values aside):
+    what a rank asks of a shared manifest (:mod:`nostall.loading.collective`)."""
+    boxes: Dict[str, List[Tuple[Shape, Shape]]] = {}
+
+    def visit(kind: str, key: str, v: Any) -> Any:
+        if kind == "tensor":
+            dest, off, _ = _leaf_box(key, v)
+            boxes.setdefault(key, []).append((off, tuple(dest.shape)))
+        return v
+
+    walk(template, visit)
+    return boxes
+
+
 class _TemplatePlan:
     """A load's first phase: walk the template (:meth:`visit`), check each key against the manifest ``m``
     and plan the reads of its tensors (:attr:`reads`); nothing is read or written yet. The keys found are
@@ -342,12 +368,7 @@ class _TemplatePlan:
 
     def visit(self, kind: str, key: str, v: Any) -> Any:
         if kind == "tensor":
-            if isinstance(v, ShardedTensor):
-                dest, off, gshape = v.data, tuple(v.global_offset), tuple(v.global_shape)
-            elif is_dtensor(v):
-                dest, off, gshape, _ = dtensor_box(v, key)
-            else:
-                dest, off, gshape = v, (0,) * v.dim(), tuple(v.shape)
+            dest, off, gshape = _leaf_box(key, v)
             rec = self.m.tensors.get(key)
             if rec is None:
                 return self._missing(key, v)

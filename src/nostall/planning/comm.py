@@ -127,12 +127,12 @@ class _TorchComm(Comm):
     def _raise(self, what: str, e: BaseException) -> None:
         if _is_timeout(e):
             fix = (
-                "Every rank must call save() at about the same point; if a rank is legitimately "
-                f"that late (uneven work before a save), raise the timeout (now {self.timeout:g}s)."
+                "Every rank must call save() (and a manager's load()) at about the same point; if a rank is "
+                f"legitimately that late (uneven work before a save), raise the timeout (now {self.timeout:g}s)."
             )
             err: CheckpointSaveError = CheckpointTimeoutError(
                 f"rank {self.rank}: metadata {what} timed out after {self.timeout:g}s: another of the "
-                f"{self.size} ranks did not reach it in time (it is late to save(), stuck, or dead). {fix}"
+                f"{self.size} ranks did not reach it in time (it is late to save() or load(), stuck, or dead). {fix}"
                 + (" The next save() replaces the broken group." if self._store is not None else "")
                 + f" ({e})"
             )
@@ -141,7 +141,7 @@ class _TorchComm(Comm):
                 f"rank {self.rank}: metadata {what} with the other {self.size - 1} rank(s) failed "
                 f"(timeout {self.timeout:g}s): {e}"
                 + (" -- another rank gave up on it (it timed out waiting for this rank, if this rank was "
-                   "late to save()) or died; the next save() replaces the broken group"
+                   "late to save() or load()) or died; the next save() replaces the broken group"
                    if self._store is not None else "")
             )
         if self._store is not None:

@@ -1,0 +1,213 @@
+"""Collective loads: rank 0 reads a checkpoint's manifest once and gives each rank its share.
+
+Alone, every rank of a job reads and parses the whole manifest: at 1,024
+ranks x 1,000 tensors that is 60 MiB and seconds of parsing on each rank,
+and the job reads it 1,024 times from shared storage. A load over a process
+group (``CheckpointManager.load``) instead runs two exchanges
+(docs/protocol.md, "Loading"):
+
+1. **head** (broadcast from rank 0, which read the manifest): every key's
+   record without its pieces, the objects, the files, every rank's per-rank
+   keys without their pieces: what a rank builds and checks its template
+   against (:func:`head_of`);
+2. **share** (a gather to rank 0 and a scatter): each rank sends the boxes its
+   template loads (:func:`~nostall.loading.reader.template_boxes`); rank 0
+   answers with the pieces that overlap them and the rank's own per-rank
+   pieces (:func:`share_of`).
+
+The rank then loads with the head filled with its pieces (:func:`with_share`):
+a manifest that lists what it reads, and every key for the strict checks. A
+rank whose template cannot be built still takes part in the second exchange
+(sending None), then raises its own error, so the others never wait for it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import nostall.errors as errors
+from nostall.core.format import Manifest, PieceRecord, RankRecord, TensorRecord
+from nostall.errors import CheckpointError, CheckpointLoadError, describe
+from nostall.loading.manifests import read_manifest
+from nostall.planning.comm import Comm
+
+__all__ = ["shared_manifest", "head_of", "share_of", "with_share"]
+
+Shape = Tuple[int, ...]
+Boxes = Dict[str, List[Tuple[Shape, Shape]]]
+Share = Tuple[Dict[str, Tuple[PieceRecord, ...]], Optional[RankRecord]]
+
+
+# --------------------------------------------------------------------------- manifests cut and filled (no collective)
+
+
+def _bare(t: TensorRecord) -> TensorRecord:
+    return replace(t, pieces=()) if t.pieces else t
+
+
+def head_of(m: Manifest) -> Manifest:
+    """``m`` without any piece: what every rank needs of it whatever it loads."""
+    return replace(m, tensors={k: _bare(t) for k, t in m.tensors.items()},
+                   per_rank=tuple(RankRecord({k: _bare(t) for k, t in r.tensors.items()}, r.objects)
+                                  for r in m.per_rank))
+
+
+class _Index:
+    """Rank 0's index of a manifest's pieces: per key, sorted by their first offset, to find a box's pieces by
+    bisection (not by a scan of every piece, for every rank)."""
+
+    def __init__(self, m: Manifest) -> None:
+        self.m = m
+        self._keys: Dict[str, Tuple[List[int], List[PieceRecord], int]] = {}
+
+    def _of(self, key: str) -> Tuple[List[int], List[PieceRecord], int]:
+        got = self._keys.get(key)
+        if got is None:
+            pieces = sorted(self.m.tensors[key].pieces, key=lambda p: p.offset[:1])
+            starts = [p.offset[0] if p.offset else 0 for p in pieces]
+            longest = max((p.shape[0] if p.shape else 1 for p in pieces), default=0)
+            got = self._keys[key] = (starts, pieces, longest)
+        return got
+
+    def overlapping(self, key: str, boxes: Sequence[Tuple[Shape, Shape]]) -> Tuple[PieceRecord, ...]:
+        """The pieces of ``key`` that overlap any of ``boxes``, in the manifest's order."""
+        rec = self.m.tensors[key]
+        if len(rec.pieces) <= 8:
+            cands: Sequence[PieceRecord] = rec.pieces
+            return tuple(p for p in cands if any(_meets(p, b) for b in boxes))
+        starts, pieces, longest = self._of(key)
+        found: Dict[int, PieceRecord] = {}
+        for off, shape in boxes:
+            if not off:  # a scalar: its one piece
+                return rec.pieces
+            lo = bisect.bisect_left(starts, off[0] - longest + 1)
+            hi = bisect.bisect_left(starts, off[0] + shape[0])
+            for p in pieces[lo:hi]:
+                if _meets(p, (off, shape)):
+                    found[id(p)] = p
+        return tuple(p for p in rec.pieces if id(p) in found)
+
+
+def _meets(p: PieceRecord, box: Tuple[Shape, Shape]) -> bool:
+    """Whether piece ``p`` and ``box`` share an element (an empty box or piece meets nothing)."""
+    off, shape = box
+    return all(po < o + s and o < po + ps for po, ps, o, s in zip(p.offset, p.shape, off, shape)) \
+        and all(shape) and all(p.shape)
+
+
+def share_of(index: _Index, rank: int, boxes: Optional[Boxes]) -> Share:
+    """Rank ``rank``'s share of the indexed manifest: the pieces overlapping ``boxes`` (None: every piece), and
+    its per-rank record when the manifest has one for it."""
+    m = index.m
+    if boxes is None:
+        pieces = {k: t.pieces for k, t in m.tensors.items() if t.pieces}
+    else:
+        pieces = {k: index.overlapping(k, bs) for k, bs in boxes.items() if k in m.tensors}
+    return pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)
+
+
+def with_share(head: Manifest, share: Share, rank: int) -> Manifest:
+    """``head`` with this rank's pieces: its share's pieces and its per-rank record."""
+    pieces, mine = share
+    tensors = {k: replace(t, pieces=pieces[k]) if k in pieces else t for k, t in head.tensors.items()}
+    per_rank = head.per_rank
+    if mine is not None:
+        per_rank = per_rank[:rank] + (mine,) + per_rank[rank + 1:]
+    return replace(head, tensors=tensors, per_rank=per_rank)
+
+
+# --------------------------------------------------------------------------- the exchanges
+
+
+def _error(e: BaseException) -> Tuple[str, str]:
+    """An error as it travels: the name of its nostall class (CheckpointError otherwise), its message."""
+    name = type(e).__name__ if isinstance(e, CheckpointError) and hasattr(errors, type(e).__name__) else ""
+    return name or "CheckpointError", str(e) if isinstance(e, CheckpointError) else describe(e)
+
+
+def _raise(error: Tuple[str, str]) -> CheckpointError:
+    cls = getattr(errors, error[0], CheckpointError)
+    return cls(error[1]) if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError(error[1])
+
+
+def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any],
+                    storage_options: Optional[Dict[str, Any]] = None,
+                    error: Optional[BaseException] = None) -> Tuple[Manifest, Any]:
+    """Both exchanges (collective): ``(this rank's manifest, its template)``, the template built by
+    ``template_of(head)``. An error building it is raised here once the exchanges are over.
+
+    ``error``: this rank failed before the load could start (its path did not resolve): on rank 0 every
+    rank raises it; on another rank it takes part in the exchanges, then raises it.
+    """
+    from nostall.loading.reader import template_boxes
+
+    head, index = fetch_head(comm, path, storage_options, error if comm.rank == 0 else None)
+    try:
+        if error is not None:
+            raise error
+        template = template_of(head)
+        boxes = template_boxes(template)
+    except BaseException:
+        fetch_share(comm, head, index, path, None, failed=True)
+        raise
+    return fetch_share(comm, head, index, path, boxes), template
+
+
+def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] = None,
+               error: Optional[BaseException] = None) -> Tuple[Manifest, Any]:
+    """The first exchange (collective): the head of the manifest at ``path`` on every rank, and on rank 0 the
+    whole manifest's index (None elsewhere), which :func:`fetch_share` takes. Rank 0's read error (or
+    ``error``, given on rank 0) is raised on every rank."""
+    index: Optional[_Index] = None
+    answer: Any = None
+    if comm.rank == 0:
+        try:
+            if error is not None:
+                raise error
+            full = read_manifest(path, storage_options)
+            index = _Index(full)
+            answer = (None, head_of(full))
+        except Exception as e:  # every rank raises it
+            answer = (_error(e), None)
+    failure, head = comm.broadcast(answer)
+    if failure is not None:
+        if error is not None:
+            raise error  # rank 0's own, as it was
+        raise _raise(failure)
+    return head, index
+
+
+def fetch_share(comm: Comm, head: Manifest, index: Any, path: str, boxes: Optional[Boxes],
+                failed: bool = False) -> Manifest:
+    """The second exchange (collective): this rank's manifest, the head with the pieces ``boxes`` need.
+
+    ``failed``: this rank could not build its template (it raises its own error afterwards): it asks for
+    nothing. Ranks loading checkpoints of different names are refused on every rank.
+    """
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    asks = comm.gather((name, boxes, failed))
+    answers: Any = None
+    if asks is not None:
+        answers = _answers(index, asks)
+    got = comm.scatter(answers)
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str):
+        raise _raise(got)
+    return with_share(head, got, comm.rank)
+
+
+def _answers(index: Optional[_Index], asks: Sequence[Tuple[str, Optional[Boxes], bool]]) -> List[Any]:
+    """Rank 0: each rank's share, or the error every rank raises."""
+    assert index is not None
+    names = {a[0] for a in asks}
+    if len(names) > 1:
+        by = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(asks))
+        err = ("CheckpointLoadError", f"the ranks load different checkpoints ({by}): a load over the group must name "
+               "the same checkpoint on every rank")
+        return [err] * len(asks)
+    try:
+        return [share_of(index, r, boxes) if not failed else ({}, None) for r, (_, boxes, failed) in enumerate(asks)]
+    except Exception as e:  # the others wait for their share: the error must reach them
+        err = _error(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
+        return [err] * len(asks)
