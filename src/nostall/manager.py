@@ -99,7 +99,8 @@ class CheckpointManager:
             (shared with ``Strategy``).
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
-        check_replicas, max_write_rate, incremental, full_every: the
+        check_replicas, max_write_rate, incremental, full_every, shared_loads,
+        read_once: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`. Each may be passed as a keyword
             argument, or all of them as ``options=``; a setting given both
@@ -155,6 +156,8 @@ class CheckpointManager:
         max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
         incremental: Union[bool, NotGiven] = NOT_GIVEN,
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
+        read_once: Union[Optional[bool], NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -163,6 +166,7 @@ class CheckpointManager:
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
             max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
+            shared_loads=shared_loads, read_once=read_once,
         ), "CheckpointManager()")
         if read_only and options.async_save:
             options = options.but(async_save=False)
@@ -682,12 +686,14 @@ class CheckpointManager:
                 return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
                                      per_rank=per_rank, storage_options=self.options.storage_options,
                                      timeout=self.options.timeout,
-                                     comm=self._comm if self._shared_loads else None)
-            manifest = None
+                                     comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
+            manifest = files = None
             if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
-                manifest, _ = shared_manifest(self._comm, path, lambda head: state, self.options.storage_options)
+                manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
+                                                     self.options.storage_options, read_once=self.options.read_once,
+                                                     verify=verify, timeout=self.options.timeout)
             return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
-                              verify=verify, per_rank=per_rank, manifest=manifest,
+                              verify=verify, per_rank=per_rank, manifest=manifest, files=files,
                               storage_options=self.options.storage_options, timeout=self.options.timeout)
 
     @property

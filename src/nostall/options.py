@@ -99,6 +99,11 @@ class Options:
             rank the part it needs (docs/protocol.md, "Loading"), so a rank
             neither reads nor holds the whole job's. False: each rank reads
             the manifest itself, and a rank may load alone.
+        read_once: in a shared load, a stored piece that several ranks need
+            whole (data-parallel replicas) is read by one of them and sent to
+            the others over the group (docs/protocol.md, "Loading"). None
+            (default): on object storage, where each read costs; True: also
+            on a filesystem (a shared one: NFS, Lustre); False: never.
     """
 
     keep_last: Optional[int] = None
@@ -116,6 +121,7 @@ class Options:
     incremental: bool = False
     full_every: Optional[int] = None
     shared_loads: bool = True
+    read_once: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -133,6 +139,11 @@ class Options:
             object.__setattr__(self, "staging_budget_bytes",
                                self.staging_budget_bytes - self.staging_budget_bytes % mmap.PAGESIZE)
         object.__setattr__(self, "timeout", float(self.timeout))
+        for name in ("shared_loads",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.read_once is not None and not isinstance(self.read_once, bool):
+            raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
         if self.check_replicas is not None and not isinstance(self.check_replicas, bool):
             raise ValueError(f"check_replicas must be None, True or False, got {self.check_replicas!r}")
         if self.max_write_rate is not None and (isinstance(self.max_write_rate, bool)

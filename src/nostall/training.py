@@ -99,6 +99,10 @@ class LoadedCheckpoint:
     the checkpoint lacks (they keep their values), and checkpoint entries of
     the objects given that those objects lack (not loaded). Empty after a
     strict load, which refuses both; filled only by ``strict=False``.
+
+    ``bytes_read``: data-file bytes this rank read from storage;
+    ``bytes_received``: those another rank read once for it and sent
+    (``Options.read_once``).
     """
 
     step: Optional[int]
@@ -109,6 +113,8 @@ class LoadedCheckpoint:
     driver: Any = None
     missing_keys: List[str] = field(default_factory=list)
     unexpected_keys: List[str] = field(default_factory=list)
+    bytes_read: int = 0
+    bytes_received: int = 0
 
 
 def mark_tensor_parallel(param: torch.Tensor, dim: int) -> torch.Tensor:
@@ -473,7 +479,7 @@ class Training:
         report = report or KeyReport()
         return LoadedCheckpoint(m.step, path, restored.get("extra"), dict(layout) if isinstance(layout, dict) else {},
                                 rng_restored, restored.get("driver"), list(report.missing_keys),
-                                list(report.unexpected_keys))
+                                list(report.unexpected_keys), report.bytes_read, report.bytes_received)
 
     def _load_optimizer(self, saved: Mapping[str, Any], path: str) -> None:
         assert self.optimizer is not None
@@ -504,19 +510,23 @@ class Training:
 
 def load_training(training: Training, path: str, *, rank: int, world_size: int, verify: bool = True,
                   per_rank: str = "error", storage_options: Optional[Dict[str, Any]] = None,
-                  timeout: Optional[float] = None, comm: Optional[Comm] = None) -> LoadedCheckpoint:
+                  timeout: Optional[float] = None, comm: Optional[Comm] = None,
+                  read_once: Optional[bool] = None) -> LoadedCheckpoint:
     """Restore ``training``'s objects from the checkpoint at ``path`` (a directory or URL); strict as
     ``training.strict`` says (see :class:`Training`). ``comm``: the group loading together (rank 0 reads
-    the manifest and gives each rank its share, :mod:`nostall.loading.collective`)."""
+    the manifest and gives each rank its share, :mod:`nostall.loading.collective`; ``read_once`` as
+    ``Options.read_once``)."""
+    files = None
     if comm is not None and comm.size > 1:
-        m, template = shared_manifest(comm, path, lambda head: training.template(head, rank, world_size, path),
-                                      storage_options)
+        m, template, files = shared_manifest(comm, path,
+                                             lambda head: training.template(head, rank, world_size, path),
+                                             storage_options, read_once=read_once, verify=verify, timeout=timeout)
     else:
         m = read_manifest(path, storage_options)
         template = training.template(m, rank, world_size, path)
     restored, report = load_state_keys(template, path, strict=training.strict, scope=training.scope(), rank=rank,
                                        world_size=world_size, verify=verify, per_rank=per_rank, manifest=m,
-                                       storage_options=storage_options, timeout=timeout)
+                                       storage_options=storage_options, timeout=timeout, files=files)
     return training.restore(restored, m, path, report)
 
 

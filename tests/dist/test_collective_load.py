@@ -54,8 +54,9 @@ def _job(rank, world, root):
         out["step"] = got["step"]
         out["reads"] = len(reads)
         # the manifest this rank loaded from lists only the pieces its template needs
-        m, _ = collective.shared_manifest(mgr._comm, mgr.path_for(2), lambda head: {"w": nostall.ShardedTensor(
+        m, _, files = collective.shared_manifest(mgr._comm, mgr.path_for(2), lambda head: {"w": nostall.ShardedTensor(
             torch.zeros(ROWS // world, 4), (ROWS, 4), ((ROWS // world) * rank, 0))})
+        files.close()
         out["pieces"] = {k: len(t.pieces) for k, t in m.tensors.items()}
         out["keys"] = sorted(m.tensors)
         # ranks naming different checkpoints: refused on every rank
@@ -109,3 +110,59 @@ def test_rank_0s_read_error_is_raised_on_every_rank(pool2: RankPool, tmp_path):
     out = pool2.run(_missing, str(tmp_path / "ck"))
     assert all(o is not None for o in out), out
     assert out[1][0] in ("CheckpointNotFoundError", "CheckpointLoadError"), out
+
+
+def _replicas(rank, world, root, read_once):
+    import nostall
+
+    torch.manual_seed(0)  # data-parallel replicas: the same model on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    with nostall.CheckpointManager(root, read_once=read_once) as mgr:
+        mgr.save(1, model=model)
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        got = mgr.load(model=fresh)
+        equal = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return equal, got.bytes_read, got.bytes_received, nbytes
+
+
+def test_replicas_read_each_stored_byte_once_and_pass_it_on(pool2: RankPool, tmp_path):
+    out = pool2.run(_replicas, str(tmp_path / "a"), True)
+    nbytes = out[0][3]
+    assert all(o[0] for o in out)
+    # the job read the checkpoint's bytes once from storage, split between the two readers
+    assert sum(o[1] for o in out) == nbytes
+    assert sum(o[2] for o in out) == nbytes and all(o[1] > 0 and o[2] > 0 for o in out), out
+    # without it, each replica reads every byte
+    out = pool2.run(_replicas, str(tmp_path / "b"), False)
+    assert all(o[0] and o[1] == nbytes and o[2] == 0 for o in out), out
+
+
+def _bad_reader(rank, world, root):
+    import os
+
+    import nostall
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    with nostall.CheckpointManager(root, read_once=True) as mgr:
+        mgr.save(1, model=model)
+        mgr._comm.all_gather(None)
+        if rank == 0:  # damage the middle of the one data file, which both ranks need whole
+            path = os.path.join(mgr.path_for(1), "rank0.safetensors")
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)
+                f.write(b"\xff" * 8)
+        mgr._comm.all_gather(None)
+        try:
+            mgr.load(model=torch.nn.Linear(64, 64))
+            return None
+        except nostall.CheckpointError as e:
+            return type(e).__name__, str(e)
+
+
+def test_a_reader_that_finds_damage_tells_the_ranks_it_reads_for(pool2: RankPool, tmp_path):
+    out = pool2.run(_bad_reader, str(tmp_path / "c"))
+    assert all(o is not None and o[0] == "CheckpointCorruptError" or (o and "could not be read by rank" in o[1])
+               for o in out), out
+    assert any("checksum mismatch" in o[1] and "rank0.safetensors" in o[1] for o in out), out

@@ -30,7 +30,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import nostall.errors as errors
 from nostall.core.format import Manifest, PieceRecord, RankRecord, TensorRecord
 from nostall.errors import CheckpointError, CheckpointLoadError, describe
+from nostall.loading import peers
 from nostall.loading.manifests import read_manifest
+from nostall.loading.peers import Transfer
+from nostall.loading.sources import DataFiles, open_files
+from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
 
 __all__ = ["shared_manifest", "head_of", "share_of", "with_share"]
@@ -38,6 +42,7 @@ __all__ = ["shared_manifest", "head_of", "share_of", "with_share"]
 Shape = Tuple[int, ...]
 Boxes = Dict[str, List[Tuple[Shape, Shape]]]
 Share = Tuple[Dict[str, Tuple[PieceRecord, ...]], Optional[RankRecord]]
+"""A rank's share: its pieces by key, its per-rank record."""
 
 
 # --------------------------------------------------------------------------- manifests cut and filled (no collective)
@@ -97,15 +102,25 @@ def _meets(p: PieceRecord, box: Tuple[Shape, Shape]) -> bool:
         and all(shape) and all(p.shape)
 
 
-def share_of(index: _Index, rank: int, boxes: Optional[Boxes]) -> Share:
+def share_of(index: _Index, rank: int, boxes: Optional[Boxes]) -> Tuple[Share, List[Transfer]]:
     """Rank ``rank``'s share of the indexed manifest: the pieces overlapping ``boxes`` (None: every piece), and
-    its per-rank record when the manifest has one for it."""
+    its per-rank record when the manifest has one for it; and the byte ranges of the pieces it needs whole
+    (which another rank may read for it, :mod:`nostall.loading.peers`)."""
     m = index.m
+    whole: List[Transfer] = []
     if boxes is None:
         pieces = {k: t.pieces for k, t in m.tensors.items() if t.pieces}
     else:
         pieces = {k: index.overlapping(k, bs) for k, bs in boxes.items() if k in m.tensors}
-    return pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)
+        for k, ps in pieces.items():
+            whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start
+                      and any(_contains(b, p) for b in boxes[k])]
+    return (pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)), whole
+
+
+def _contains(box: Tuple[Shape, Shape], p: PieceRecord) -> bool:
+    off, shape = box
+    return all(o <= po and po + ps <= o + s for po, ps, o, s in zip(p.offset, p.shape, off, shape))
 
 
 def with_share(head: Manifest, share: Share, rank: int) -> Manifest:
@@ -133,16 +148,26 @@ def _raise(error: Tuple[str, str]) -> CheckpointError:
 
 
 def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any],
-                    storage_options: Optional[Dict[str, Any]] = None,
-                    error: Optional[BaseException] = None) -> Tuple[Manifest, Any]:
-    """Both exchanges (collective): ``(this rank's manifest, its template)``, the template built by
-    ``template_of(head)``. An error building it is raised here once the exchanges are over.
+                    storage_options: Optional[Dict[str, Any]] = None, error: Optional[BaseException] = None,
+                    read_once: Optional[bool] = None, verify: bool = True, timeout: Optional[float] = None
+                    ) -> Tuple[Manifest, Any, DataFiles]:
+    """Both exchanges, then the transfers of what is read once (collective): ``(this rank's manifest, its
+    template, its data files)``, the template built by ``template_of(head)``, the files open (the caller
+    loads through them and closes them). An error building the template is raised here once the exchanges
+    are over.
 
     ``error``: this rank failed before the load could start (its path did not resolve): on rank 0 every
-    rank raises it; on another rank it takes part in the exchanges, then raises it.
+    rank raises it; on another rank it takes part in the exchanges, then raises it. ``read_once``: see
+    ``Options.read_once`` (rank 0's decides; None: where the storage says it pays).
     """
     from nostall.loading.reader import template_boxes
 
+    once = False
+    if comm.rank == 0 and error is None:
+        try:
+            once = read_once if read_once is not None else split_checkpoint(path, storage_options)[0].read_once_pays
+        except Exception:  # the manifest read below reports what is wrong with the path
+            once = False
     head, index = fetch_head(comm, path, storage_options, error if comm.rank == 0 else None)
     try:
         if error is not None:
@@ -152,7 +177,15 @@ def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any
     except BaseException:
         fetch_share(comm, head, index, path, None, failed=True)
         raise
-    return fetch_share(comm, head, index, path, boxes), template
+    m, plan = fetch_share(comm, head, index, path, boxes, read_once=once)
+    files = open_files(path, m, storage_options, timeout)
+    try:
+        if plan.send or plan.recv:
+            peers.exchange(comm, plan, files, m, verify)
+    except BaseException:
+        files.close()
+        raise
+    return m, template, files
 
 
 def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] = None,
@@ -180,25 +213,28 @@ def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] 
 
 
 def fetch_share(comm: Comm, head: Manifest, index: Any, path: str, boxes: Optional[Boxes],
-                failed: bool = False) -> Manifest:
+                failed: bool = False, read_once: bool = False) -> Tuple[Manifest, peers.Plan]:
     """The second exchange (collective): this rank's manifest, the head with the pieces ``boxes`` need.
 
     ``failed``: this rank could not build its template (it raises its own error afterwards): it asks for
-    nothing. Ranks loading checkpoints of different names are refused on every rank.
+    nothing. Ranks loading checkpoints of different names are refused on every rank. ``read_once`` (rank 0's
+    decides): pieces several ranks need whole are assigned to one reader each; returns this rank's part.
     """
     name = path.rstrip("/").rsplit("/", 1)[-1]
     asks = comm.gather((name, boxes, failed))
     answers: Any = None
     if asks is not None:
-        answers = _answers(index, asks)
+        answers = _answers(index, asks, read_once)
     got = comm.scatter(answers)
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str):
         raise _raise(got)
-    return with_share(head, got, comm.rank)
+    share, plan = got
+    return with_share(head, share, comm.rank), plan
 
 
-def _answers(index: Optional[_Index], asks: Sequence[Tuple[str, Optional[Boxes], bool]]) -> List[Any]:
-    """Rank 0: each rank's share, or the error every rank raises."""
+def _answers(index: Optional[_Index], asks: Sequence[Tuple[str, Optional[Boxes], bool]], read_once: bool
+             ) -> List[Any]:
+    """Rank 0: each rank's share and its part in the transfers, or the error every rank raises."""
     assert index is not None
     names = {a[0] for a in asks}
     if len(names) > 1:
@@ -207,7 +243,11 @@ def _answers(index: Optional[_Index], asks: Sequence[Tuple[str, Optional[Boxes],
                "the same checkpoint on every rank")
         return [err] * len(asks)
     try:
-        return [share_of(index, r, boxes) if not failed else ({}, None) for r, (_, boxes, failed) in enumerate(asks)]
+        shares = [share_of(index, r, boxes) if not failed else (({}, None), []) for r, (_, boxes, failed)
+                  in enumerate(asks)]
+        plans = (peers.assign([w for _, w in shares], peers.RECEIVE_CAP) if read_once
+                 else [peers.Plan() for _ in shares])
+        return [(share, plan) for (share, _), plan in zip(shares, plans)]
     except Exception as e:  # the others wait for their share: the error must reach them
         err = _error(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
         return [err] * len(asks)

@@ -17,7 +17,7 @@ import functools
 import errno
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -210,11 +210,14 @@ class KeyReport:
     ``missing_keys``: keys of the template that the checkpoint does not hold
     (not loaded: they keep the template's values). ``unexpected_keys``: keys
     of the checkpoint that the template does not reach (not loaded). Both in
-    the order of the template and of the manifest.
+    the order of the template and of the manifest. With them, what the load
+    read: data-file bytes from storage, and those another rank read for it.
     """
 
     missing_keys: List[str] = field(default_factory=list)
     unexpected_keys: List[str] = field(default_factory=list)
+    bytes_read: int = 0  # of data files, read from storage by this rank
+    bytes_received: int = 0  # of data files, received from the rank that read them (read once)
 
 
 def load_state(
@@ -229,6 +232,7 @@ def load_state(
     manifest: Optional[Manifest] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     timeout: Optional[float] = None,
+    files: Optional[DataFiles] = None,
 ) -> Any:
     """Fill ``template`` from the checkpoint at ``path`` and return the restored state.
 
@@ -263,7 +267,7 @@ def load_state(
     """
     restored, _ = load_state_keys(template, path, strict=strict, rank=rank, world_size=world_size, verify=verify,
                                   per_rank=per_rank, manifest=manifest, storage_options=storage_options,
-                                  timeout=timeout)
+                                  timeout=timeout, files=files)
     return restored
 
 
@@ -280,12 +284,15 @@ def load_state_keys(
     manifest: Optional[Manifest] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     timeout: Optional[float] = None,
+    files: Optional[DataFiles] = None,
 ) -> Tuple[Any, KeyReport]:
     """:func:`load_state`, returning the restored state and the :class:`KeyReport` of the load.
 
     ``scope``: the top-level keys whose checkpoint entries the template must
     reach (a key counts when it is one of them or lies under one); None: all
-    of them. Missing keys are the template's, whatever the scope.
+    of them. Missing keys are the template's, whatever the scope. ``files``:
+    the data files to read through (a shared load's, some bytes received
+    from other ranks); closed here. None: opened here.
     """
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")
@@ -298,11 +305,14 @@ def load_state_keys(
             raise CheckpointLoadError(_mismatch(path, report))
         log.warning("%s: loaded with strict=False: %s", path,
                     _mismatch_lists(report, " (they keep the template's values)", " (not loaded)"))
-    files = open_files(path, m, storage_options, timeout)
+    source = files if files is not None else open_files(path, m, storage_options, timeout)
     try:
-        _fill(engine.in_file_order(engine.unique_reads(plan.reads)), files, m, verify)
+        _fill(engine.in_file_order(engine.unique_reads(plan.reads)), source, m, verify)
+        report = replace(report, bytes_read=source.bytes_read, bytes_received=source.bytes_received)
     finally:
-        files.close()
+        source.close()
+    log.info("rank %d: loaded %s: %d bytes read from storage, %d received from other ranks", rank, path,
+             report.bytes_read, report.bytes_received)
     return restored, report
 
 

@@ -12,9 +12,10 @@ The torch side of reading (planning reads into tensors and performing them) is
 
 from __future__ import annotations
 
+import bisect
 import collections
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from nostall.core.format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc
 from nostall.errors import CheckpointCorruptError
@@ -44,6 +45,9 @@ class DataFiles:
         self.sizes = {n: f.size for n, f in manifest.all_files().items()}
         self.timeout = timeout
         self.open: Dict[str, StoredFile] = {}
+        self.bytes_read = 0  # from storage, by :meth:`read`
+        self._received: Dict[str, List[Tuple[int, int, memoryview]]] = {}  # file -> (start, end, bytes), by start
+        self.bytes_received = 0  # served from what other ranks sent
 
     def path(self, name: str) -> str:
         """Where the file ``name`` is (for messages)."""
@@ -64,14 +68,46 @@ class DataFiles:
             self.open[name] = f
         return f
 
+    def keep(self, name: str, start: int, data: memoryview, received: bool) -> None:
+        """Serve bytes ``[start, start + len(data))`` of ``name`` from ``data`` instead of storage: bytes
+        ``received`` from the rank that read them (:mod:`nostall.loading.peers`, counted in
+        :attr:`bytes_received`), or read here already (to send them to others)."""
+        if received:
+            self.bytes_received += len(data)
+        ranges = self._received.setdefault(name, [])
+        ranges.append((start, start + len(data), data))
+        ranges.sort(key=lambda x: x[0])
+
     def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
-        """Exactly ``length`` bytes of ``name`` at ``offset`` (into ``into`` when given)."""
-        return self.check(name).read(offset, length, into)
+        """Exactly ``length`` bytes of ``name`` at ``offset`` (into ``into`` when given): from what was received,
+        the rest from storage (counted in :attr:`bytes_read`)."""
+        ranges = self._received.get(name)
+        if not ranges:
+            self.bytes_read += length
+            return self.check(name).read(offset, length, into)
+        out = into if into is not None else memoryview(bytearray(length))
+        pos, end = offset, offset + length
+        i = max(0, bisect.bisect_right([s for s, _, _ in ranges], pos) - 1)
+        while pos < end:
+            s, e, data = ranges[i] if i < len(ranges) else (end, end, memoryview(b""))
+            if e <= pos:
+                i += 1
+            elif s > pos:  # not received: from storage
+                stop = min(s, end)
+                self.bytes_read += stop - pos
+                self.check(name).read(pos, stop - pos, out[pos - offset: stop - offset])
+                pos = stop
+            else:
+                stop = min(e, end)
+                out[pos - offset: stop - offset] = data[pos - s: stop - s]
+                pos = stop
+        return out
 
     def close(self) -> None:
         for f in self.open.values():
             f.close()
         self.open.clear()
+        self._received.clear()
 
 
 def open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]] = None,

@@ -1,4 +1,4 @@
-"""Metadata collectives between ranks (never tensor data).
+"""Collectives between ranks: metadata, and the stored bytes a load reads once for several ranks.
 
 The library talks to other ranks only through a :class:`Comm`: a single-process
 stand-in when ``torch.distributed`` is not initialised, otherwise a gloo group
@@ -53,6 +53,17 @@ class Comm:
         """Rank 0's ``objs[r]`` on each rank ``r`` (``objs``: given on rank 0 only)."""
         assert objs is not None
         return objs[0]
+
+    def receive(self, into: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving ``into`` (a uint8 CPU tensor) from rank ``src``; :meth:`wait` for the handle."""
+        raise CheckpointError("a world of one has no other rank to receive from")
+
+    def send(self, data: torch.Tensor, dst: int, tag: int) -> None:
+        """Send ``data`` (a uint8 CPU tensor) to rank ``dst``, which receives it with the same tag; bounded."""
+        raise CheckpointError("a world of one has no other rank to send to")
+
+    def wait(self, handle: Any) -> None:
+        """Wait (bounded) for what :meth:`receive` started."""
 
     def close(self) -> None:
         pass
@@ -398,6 +409,15 @@ class _TorchComm(Comm):
             return objs[0]
 
         return self._call("scatter", run)
+
+    def receive(self, into: torch.Tensor, src: int, tag: int) -> Any:
+        return self._call("receive", lambda: self.group.recv([into], src, tag))
+
+    def send(self, data: torch.Tensor, dst: int, tag: int) -> None:
+        self._call("send", lambda: self._wait(self.group.send([data], dst, tag)))
+
+    def wait(self, handle: Any) -> None:
+        self._call("receive", lambda: self._wait(handle))
 
     def close(self) -> None:
         if self.owned:

@@ -97,6 +97,8 @@ class ObjectRoot(Root):
     either: one job must save to a root at a time.
     """
 
+    read_once_pays = True  # every GET costs: replicas read a piece once and pass it on
+
     def __init__(self, url: str, *, storage_options: Optional[Dict[str, Any]] = None,
                  local_staging: Optional[str] = None, timeout: float = 600.0,
                  faults: Optional[Faults] = None) -> None:

@@ -279,6 +279,10 @@ class Root(abc.ABC):
     poll_max_s = 0.5
     """Longest pause between two looks at a record another rank writes (backing off from 5 ms)."""
     retention_beside_next_save = False
+    read_once_pays = False
+    """Whether a load over several ranks should read a piece they all need once and pass it on
+    (:mod:`nostall.loading.peers`) by default: true where each read costs (object storage); a POSIX root
+    may be a local disk whose page cache serves the second reader (``read_once=True`` for a shared one)."""
     """Whether retention and the sweep after a commit may run while the next save is already being
     written: true only where a save in flight writes nowhere they delete (a POSIX root stages in
     ``.tmp/save-<id>/`` and sweeps nothing). Then a background writer reports the commit first."""
