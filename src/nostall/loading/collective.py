@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import nostall.errors as errors
 from nostall.core.format import Manifest, PieceRecord, RankRecord, TensorRecord
@@ -66,6 +66,15 @@ class _Index:
     def __init__(self, m: Manifest) -> None:
         self.m = m
         self._keys: Dict[str, Tuple[List[int], List[PieceRecord], int]] = {}
+        self._exact: Dict[str, Dict[Tuple[Shape, Shape], PieceRecord]] = {}
+
+    def exact(self, key: str, box: Tuple[Shape, Shape]) -> Optional[PieceRecord]:
+        """The non-empty piece of ``key`` whose box is ``box`` (a load in the saved layout asks for those)."""
+        by_box = self._exact.get(key)
+        if by_box is None:
+            by_box = self._exact[key] = {(p.offset, p.shape): p for p in self.m.tensors[key].pieces}
+        p = by_box.get(box)
+        return p if p is not None and p.end > p.start else None
 
     def _of(self, key: str) -> Tuple[List[int], List[PieceRecord], int]:
         got = self._keys.get(key)
@@ -77,22 +86,25 @@ class _Index:
         return got
 
     def overlapping(self, key: str, boxes: Sequence[Tuple[Shape, Shape]]) -> Tuple[PieceRecord, ...]:
-        """The pieces of ``key`` that overlap any of ``boxes``, in the manifest's order."""
+        """The pieces of ``key`` that overlap any of ``boxes`` (few pieces: in the manifest's order; else by
+        their first offset)."""
         rec = self.m.tensors[key]
+        if len(boxes) == 1:
+            p = self.exact(key, boxes[0])
+            if p is not None:  # the pieces tile the tensor: a piece with the box is all the box meets
+                return (p,)
         if len(rec.pieces) <= 8:
             cands: Sequence[PieceRecord] = rec.pieces
             return tuple(p for p in cands if any(_meets(p, b) for b in boxes))
         starts, pieces, longest = self._of(key)
-        found: Dict[int, PieceRecord] = {}
+        found: Set[int] = set()
         for off, shape in boxes:
             if not off:  # a scalar: its one piece
                 return rec.pieces
             lo = bisect.bisect_left(starts, off[0] - longest + 1)
             hi = bisect.bisect_left(starts, off[0] + shape[0])
-            for p in pieces[lo:hi]:
-                if _meets(p, (off, shape)):
-                    found[id(p)] = p
-        return tuple(p for p in rec.pieces if id(p) in found)
+            found.update(i for i in range(lo, hi) if _meets(pieces[i], (off, shape)))
+        return tuple(pieces[i] for i in sorted(found))
 
 
 def _meets(p: PieceRecord, box: Tuple[Shape, Shape]) -> bool:
@@ -113,8 +125,9 @@ def share_of(index: _Index, rank: int, boxes: Optional[Boxes]) -> Tuple[Share, L
     else:
         pieces = {k: index.overlapping(k, bs) for k, bs in boxes.items() if k in m.tensors}
         for k, ps in pieces.items():
+            bs = boxes[k]
             whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start
-                      and any(_contains(b, p) for b in boxes[k])]
+                      and ((p.offset, p.shape) == bs[0] or any(_contains(b, p) for b in bs))]
     return (pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)), whole
 
 
