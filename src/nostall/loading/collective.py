@@ -37,7 +37,7 @@ from nostall.loading.sources import DataFiles, open_files
 from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
 
-__all__ = ["shared_manifest", "head_of", "share_of", "with_share"]
+__all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share"]
 
 Shape = Tuple[int, ...]
 Boxes = Dict[str, List[Tuple[Shape, Shape]]]
@@ -59,7 +59,7 @@ def head_of(m: Manifest) -> Manifest:
                                   for r in m.per_rank))
 
 
-class _Index:
+class ManifestIndex:
     """Rank 0's index of a manifest's pieces: per key, sorted by their first offset, to find a box's pieces by
     bisection (not by a scan of every piece, for every rank)."""
 
@@ -114,7 +114,7 @@ def _meets(p: PieceRecord, box: Tuple[Shape, Shape]) -> bool:
         and all(shape) and all(p.shape)
 
 
-def share_of(index: _Index, rank: int, boxes: Optional[Boxes]) -> Tuple[Share, List[Transfer]]:
+def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes]) -> Tuple[Share, List[Transfer]]:
     """Rank ``rank``'s share of the indexed manifest: the pieces overlapping ``boxes`` (None: every piece), and
     its per-rank record when the manifest has one for it; and the byte ranges of the pieces it needs whole
     (which another rank may read for it, :mod:`nostall.loading.peers`)."""
@@ -206,14 +206,14 @@ def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] 
     """The first exchange (collective): the head of the manifest at ``path`` on every rank, and on rank 0 the
     whole manifest's index (None elsewhere), which :func:`fetch_share` takes. Rank 0's read error (or
     ``error``, given on rank 0) is raised on every rank."""
-    index: Optional[_Index] = None
+    index: Optional[ManifestIndex] = None
     answer: Any = None
     if comm.rank == 0:
         try:
             if error is not None:
                 raise error
             full = read_manifest(path, storage_options)
-            index = _Index(full)
+            index = ManifestIndex(full)
             answer = (None, head_of(full))
         except Exception as e:  # every rank raises it
             answer = (_error(e), None)
@@ -245,7 +245,7 @@ def fetch_share(comm: Comm, head: Manifest, index: Any, path: str, boxes: Option
     return with_share(head, share, comm.rank), plan
 
 
-def _answers(index: Optional[_Index], asks: Sequence[Tuple[str, Optional[Boxes], bool]], read_once: bool
+def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[Boxes], bool]], read_once: bool
              ) -> List[Any]:
     """Rank 0: each rank's share and its part in the transfers, or the error every rank raises."""
     assert index is not None
