@@ -3,11 +3,15 @@
 From the planning points (one per rank count, at the largest tensor count
 measured) and, when the load part ran, the load points:
 
-* the plan on a rank's training thread at a first save: the decode of the
-  gathered metadata, ``build_plan`` and ``shared_keys`` on every rank, and on
-  rank 0 the manifest skeleton too;
-* the bytes a rank sends and receives in the plan exchange, and the done
-  records rank 0 reads at a background save's commit;
+* the plan on a rank's training thread at a first save: on a non-zero rank its
+  signature, its metadata encoded, its own file laid out from its share and the
+  share decoded; on rank 0 the same for its own, and the whole job's planning
+  (every rank's metadata decoded, ``build_plan``, ``check_objects``,
+  ``shared_keys``, every rank's share, the replica check's verdict) and the
+  manifest skeleton;
+* the bytes rank 0 and a non-zero rank (the largest figures of any) send and
+  receive in the plan exchange, and the done records rank 0 reads at a
+  background save's commit;
 * at load, the manifest bytes a rank reads and its parse time (every rank
   reads and parses the whole manifest);
 * the load of one rank's share in its saved layout, computed: the manifest
@@ -70,18 +74,28 @@ def _load_share(p: Dict[str, Any], fit: Dict[str, float]) -> Dict[str, Dict[str,
 
 def _rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
     """The projection's cells of one planning point."""
-    thread = p["gather_decode_s"] + median(p["plan_s"]) + p["shared_keys_s"]
-    ex = p["exchange"]["per_rank"]
+    from nostall.tools.bench.scale import RANK0_TIMES, rank0_thread
+
+    ex = p["exchange"]
     commit = p["commit"]["async"]
     how_commit = COUNTED if "commit" not in p["computed"] else "computed: " + p["computed"]["commit"]
+    own = "with the plan's owned pieces" if "own_files_owned_s" in p["other"] else "with every piece it holds"
     return {
-        "pieces": _cell(p["pieces"], MEASURED + " (the plan's; distinct boxes where the plan is computed)"),
+        "pieces": _cell(p["pieces"], MEASURED + " (distinct boxes, the plan's where measured)"),
         "rank_share": _cell(p["rank_bytes"], f"{MEASURED} (its {p['rank_pieces']:,} pieces' bytes)"),
-        "plan_thread_other": _cell(thread, _how(p, ["plan_s"], "decode + build_plan + shared_keys")),
-        "plan_thread_rank0": _cell(thread + p["skeleton_s"], _how(p, ["plan_s", "skeleton_s"],
-                                                                   "the same + manifest skeleton")),
-        "exchange_sent": _cell(ex["sent_bytes"], COUNTED),
-        "exchange_received": _cell(ex["received_bytes"], COUNTED),
+        "plan_thread_other": _cell(p["other"]["thread_s"],
+                                   MEASURED + " (the last rank: signature + encode_meta + own_files with every "
+                                   "piece it holds, an upper bound + its share decoded)"),
+        "plan_thread_rank0": _cell(rank0_thread(p), _how(p, list(RANK0_TIMES) + ["skeleton_s"],
+                                                          "its own signature, encode and own file (the last "
+                                                          "rank's times, own_files " + own + ") + every rank's "
+                                                          "metadata decoded + build_plan + "
+                                                          "check_objects + shared_keys + every rank's share + "
+                                                          "verdict + manifest skeleton")),
+        "exchange_sent_other": _cell(ex["other"]["sent_bytes"], COUNTED),
+        "exchange_received_other": _cell(ex["other"]["received_bytes"], COUNTED),
+        "exchange_sent_rank0": _cell(ex["rank0"]["sent_bytes"], COUNTED),
+        "exchange_received_rank0": _cell(ex["rank0"]["received_bytes"], COUNTED),
         "commit_rank0_reads": _cell(commit["rank0_reads_bytes"], how_commit),
         "commit_other_reads": _cell(commit["other_reads_bytes"], COUNTED),
         "manifest_read": _cell(p["manifest_bytes"], _how(p, ["manifest_bytes"], "the manifest's size")),
@@ -96,8 +110,10 @@ ROWS = (
     ("rank_share", "bytes", "one rank's share of the data"),
     ("plan_thread_other", "s", "plan on the training thread at a first save, a non-zero rank"),
     ("plan_thread_rank0", "s", "plan on the training thread at a first save, rank 0"),
-    ("exchange_sent", "bytes", "plan exchange: bytes a rank sends (its own messages; rank 0 and the others alike)"),
-    ("exchange_received", "bytes", "plan exchange: bytes a rank receives (rank 0 and the others alike)"),
+    ("exchange_sent_other", "bytes", "plan exchange: bytes a non-zero rank sends (the most of any)"),
+    ("exchange_received_other", "bytes", "plan exchange: bytes a non-zero rank receives (the most of any)"),
+    ("exchange_sent_rank0", "bytes", "plan exchange: bytes rank 0 sends"),
+    ("exchange_received_rank0", "bytes", "plan exchange: bytes rank 0 receives"),
     ("commit_rank0_reads", "bytes", "commit of a background save: done records rank 0 reads"),
     ("commit_other_reads", "bytes", "commit of a background save: what a non-zero rank reads (the outcome)"),
     ("manifest_read", "bytes", "load: manifest bytes every rank reads"),
