@@ -84,7 +84,9 @@ class Options:
             time until durable for less interference with training (disk,
             memory bandwidth, CPU); ``nostall bench train`` shows the trade.
             Local and shared filesystems; an object-storage upload is not
-            paced.
+            paced. Pacing never costs a save its deadline: it sleeps only
+            within the first half of ``timeout``, then writes the rest at
+            full speed (with a warning).
         incremental: each save writes only the pieces whose bytes changed
             since the manager's previous committed save in its root; the
             others are read from the earlier checkpoint's files (proven equal

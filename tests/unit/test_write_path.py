@@ -99,6 +99,26 @@ def test_pacer_sleeps_only_when_ahead(monkeypatch):
     assert slept == [pytest.approx(2.0)]
 
 
+def test_pacer_never_sleeps_past_half_the_timeout(monkeypatch):
+    clock = [100.0]
+    slept = []
+    monkeypatch.setattr(storage.time, "monotonic", lambda: clock[0])
+
+    def sleep(s):
+        slept.append(s)
+        clock[0] += s
+
+    monkeypatch.setattr(storage.time, "sleep", sleep)
+    p = storage.Pacer(10.0, timeout=8.0)  # 100 bytes at 10 B/s take 10 s: more than the 4 s it may pace
+    for _ in range(10):
+        p.wrote(10)
+    assert p.lifted and sum(slept) == pytest.approx(4.0)  # paced until halfway to the deadline, then full speed
+    q = storage.Pacer(10.0, timeout=100.0)
+    for _ in range(10):
+        q.wrote(10)
+    assert not q.lifted
+
+
 @pytest.mark.parametrize("bad", [0, -5, True, "fast", 1000])
 def test_max_write_rate_is_validated(bad):
     with pytest.raises(ValueError, match="max_write_rate"):

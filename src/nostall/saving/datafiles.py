@@ -370,7 +370,7 @@ def write_files(source: FileSource) -> Writer:
     """A :data:`Writer` that writes each file of a job from ``source`` (whole pieces)."""
 
     def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
-        pacer = storage.Pacer(job.max_write_rate)
+        pacer = storage.Pacer(job.max_write_rate, job.timeout)
         outs = []
         with Checksums(job.block_size) as sums:
             for i, f in enumerate(job.files):
@@ -382,9 +382,18 @@ def write_files(source: FileSource) -> Writer:
                     outs.append((f, out.close(), out.ids))
                 for s, e in f.pieces:
                     sums.expect((f.name, s, e))  # empty pieces have no bytes
+            report_pacing(job, pacer)
             return collect(job, outs, sums.result(), base)
 
     return write
+
+
+def report_pacing(job: SaveJob, pacer: storage.Pacer) -> None:
+    """Warn when ``max_write_rate`` was lifted so that the save could finish within its timeout."""
+    if pacer.lifted:
+        log.warning("rank %d: step %s: writing at max_write_rate=%g bytes/s would not finish within half the "
+                    "timeout (%gs): the rest was written at full speed; raise max_write_rate or the timeout",
+                    job.rank, job.step, pacer.rate, job.timeout)
 
 
 def file_out(job: SaveJob, f: FileJob, staging: str, sums: Checksums, pacer: storage.Pacer,

@@ -28,7 +28,7 @@ from multiprocessing.reduction import recvfds
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
 from nostall.saving.commit import RecordBarrier, run_job
-from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, write_files
+from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, report_pacing, write_files
 from nostall.errors import CheckpointSaveError
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.jobs import FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
@@ -79,7 +79,7 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
     """
 
     def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
-        pacer = storage.Pacer(job.max_write_rate)
+        pacer = storage.Pacer(job.max_write_rate, job.timeout)
         outs = []
         with Checksums(job.block_size) as sums:
 
@@ -104,6 +104,7 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
                     outs.append((f, out.close(), out.ids))
                 for start, end in f.pieces:
                     sums.expect((f.name, start, end))  # empty pieces have no segment
+            report_pacing(job, pacer)
             return collect(job, outs, sums.result(), base)
 
     return write

@@ -55,27 +55,38 @@ class Pacer:
     A background save then takes longer to become durable but takes less of
     the disk, memory bandwidth and CPU from training at any moment. Shared by
     every file of a job; :meth:`wrote` sleeps as long as the bytes so far are
-    ahead of the rate.
+    ahead of the rate. The cap never costs the save its deadline: pacing
+    sleeps only within the first half of the job's time (``timeout``
+    seconds from the first write); past it the rest is written at full speed
+    and :attr:`lifted` says so.
 
     >>> p = Pacer(None)        # no limit: never sleeps
     >>> p.wrote(1 << 30)
     """
 
-    def __init__(self, bytes_per_s: Optional[float]) -> None:
+    def __init__(self, bytes_per_s: Optional[float], timeout: Optional[float] = None) -> None:
         self.rate = bytes_per_s
+        self.timeout = timeout
+        self.lifted = False  # pacing stopped so that the job finishes within its timeout
         self._t0: Optional[float] = None
         self._bytes = 0
 
     def wrote(self, n: int) -> None:
-        if not self.rate:
+        if not self.rate or self.lifted:
             return
         now = time.monotonic()
         if self._t0 is None:
             self._t0 = now
         self._bytes += n
         ahead = self._bytes / self.rate - (now - self._t0)
-        if ahead > 0:
-            time.sleep(ahead)
+        if ahead <= 0:
+            return
+        if self.timeout is not None:
+            budget = self._t0 + self.timeout / 2 - now  # sleeping stops halfway to the deadline
+            if ahead > budget:
+                self.lifted = True
+                ahead = max(0.0, budget)
+        time.sleep(ahead)
 
 
 class FileWriter:
