@@ -121,14 +121,14 @@ def test_tied_weight_written_once_loaded_tied_and_untied(tmp_path, monkeypatch):
 
     # into a fresh tied model: bit-exact, still tied, and the shared bytes are read once
     calls = []
-    real = engine.execute
-    monkeypatch.setattr(engine, "execute", lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1])
+    real = engine.execute_all
+    monkeypatch.setattr(engine, "execute_all", lambda rs, *a: (calls.extend(r.rec.key for r in rs), real(rs, *a))[1])
     fresh = TiedNet(seed=2)
     nostall.load(fresh.state_dict(), tied_dir)
     assert_same_model(fresh, model)
     assert_tied(fresh)
     assert sorted(calls) == ["emb.weight", "mid.bias", "mid.weight"]
-    monkeypatch.setattr(engine, "execute", real)
+    monkeypatch.setattr(engine, "execute_all", real)
 
     # into an untied template: both keys get the values
     template = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
@@ -418,12 +418,12 @@ def _dtensor_tied(rank, world, root):
     nostall.save({"emb": dt, "head": dt}, root)
     fresh = distribute_tensor(torch.zeros(VOCAB, DIM), mesh, [Shard(0)])
     calls = []
-    real = engine.execute
-    engine.execute = lambda r, *a: (calls.append(r.rec.key), real(r, *a))[1]
+    real = engine.execute_all
+    engine.execute_all = lambda rs, *a: (calls.extend(r.rec.key for r in rs), real(rs, *a))[1]
     try:
         nostall.load({"emb": fresh, "head": fresh}, root)
     finally:
-        engine.execute = real
+        engine.execute_all = real
     assert torch.equal(fresh.full_tensor(), w)
     return sorted(calls)
 

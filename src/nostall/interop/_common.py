@@ -38,7 +38,7 @@ from nostall.core.format import (
     layout_file,
     piece_name,
 )
-from nostall.loading.engine import Read, execute, in_file_order, plan_reads
+from nostall.loading.engine import Read, SpanBuffers, execute_all, plan_reads
 from nostall.loading.manifests import read_manifest
 from nostall.loading.sources import Verifier, open_files
 from nostall.core.dtypes import torch_dtype
@@ -91,14 +91,19 @@ class Source:
 
     Reads go through the loader's planner and executor, so a region costs only
     the checksum blocks that cover it, and every byte used is verified.
+    ``read_budget``: the bytes of the span buffers reads go through (see
+    :class:`~nostall.loading.engine.SpanBuffers`; None: a load's default),
+    kept from read to read and let go by :meth:`close`; an export sets it
+    from its memory limit.
     """
 
     def __init__(self, path: str, *, storage_options: Optional[Dict[str, Any]] = None, verify: bool = True,
-                 manifest: Optional[Manifest] = None) -> None:
+                 manifest: Optional[Manifest] = None, read_budget: Optional[int] = None) -> None:
         self.path = path
         self.verify = verify
         self.manifest = manifest if manifest is not None else read_manifest(path, storage_options)
         self.files = open_files(path, self.manifest, storage_options)
+        self.spans = SpanBuffers(read_budget)
 
     def record(self, key: str) -> TensorRecord:
         rec = self.manifest.tensors.get(key)
@@ -126,8 +131,7 @@ class Source:
         reads: List[Read] = []
         plan_reads(rec, dest, off, reads)
         with torch.no_grad(), Verifier(self.verify) as checks:
-            for r in in_file_order(reads):
-                execute(r, self.files, self.manifest, checks)
+            execute_all(reads, self.files, self.manifest, checks, buffers=self.spans)
             checks.finish()
 
     def read_new(self, key: str, offset: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -138,6 +142,7 @@ class Source:
         return out
 
     def close(self) -> None:
+        self.spans.close()
         self.files.close()
 
     def __enter__(self) -> "Source":

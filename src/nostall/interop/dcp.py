@@ -72,9 +72,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.errors import CheckpointCorruptError, CheckpointLoadError, CheckpointNotFoundError, CheckpointSaveError
 from nostall.core.format import DEFAULT_BLOCK_SIZE, MANIFEST_NAME, Manifest, PieceRecord, TensorRecord
-from nostall.loading.engine import Read, execute
+from nostall.loading.engine import Read, SpanBuffers, execute_all
 from nostall.loading.manifests import read_manifest
-from nostall.loading.sources import Verifier, open_files
+from nostall.loading.sources import READ_CHUNK, DataFiles, Verifier, open_files
 from nostall.core.model import check_json, numel, to_json, walk
 from nostall.storage.locate import local_path
 from nostall.interop._common import PieceSource, Progress, ProgressFn, TensorSource, split_key, write_checkpoint
@@ -183,31 +183,47 @@ class Reader(StorageReader):
                     rec, piece = self._piece(item)
                     tensor_items.append((piece.file, piece.start, item, rec, piece))
             tensor_items.sort(key=lambda x: (x[0], x[1]))
-            with torch.no_grad(), Verifier(self.verify) as checks:
+            with torch.no_grad(), Verifier(self.verify) as checks, SpanBuffers() as spans:
+                batch: List[Tuple[ReadItem, TensorRecord, PieceRecord]] = []
+                size = 0
                 for _, _, item, rec, piece in tensor_items:
-                    target = planner.resolve_tensor(item).detach()
-                    lengths = tuple(int(x) for x in item.lengths)
-                    if tuple(target.shape) != lengths:
-                        raise CheckpointLoadError(
-                            f"{item.storage_index.fqn!r}: the planner's target has shape {list(target.shape)}, "
-                            f"the read {list(lengths)}"
-                        )
-                    box = tuple(o + int(s) for o, s in zip(piece.offset, item.storage_offsets))
-                    if target.device.type == "cpu":
-                        dest = target
-                    else:
-                        dest = torch.empty(lengths, dtype=target.dtype)
-                    execute(Read(rec, piece, box, lengths, dest), files, m, checks)
-                    if dest is not target:
-                        checks.finish()  # dest's bytes are checked before they reach the target
-                        target.copy_(dest)
-                    planner.commit_tensor(item, target)
-                checks.finish()
+                    batch.append((item, rec, piece))
+                    size += numel(tuple(item.lengths)) * torch_dtype(rec.dtype).itemsize
+                    if size >= READ_CHUNK:
+                        self._read_tensors(batch, planner, files, m, checks, spans)
+                        batch, size = [], 0
+                self._read_tensors(batch, planner, files, m, checks, spans)
         finally:
             files.close()
         fut: Future = Future()
         fut.set_result(None)
         return fut
+
+    def _read_tensors(self, batch: List[Tuple[ReadItem, TensorRecord, PieceRecord]], planner: LoadPlanner,
+                      files: DataFiles, m: Manifest, checks: Verifier, spans: SpanBuffers) -> None:
+        """Read the tensor items of ``batch`` (in file order) together, through ``spans`` (this read's span
+        buffers), check them, then commit them to ``planner``; a target off the CPU is read into a CPU tensor
+        first, copied once checked."""
+        reads: List[Read] = []
+        targets = []
+        for item, rec, piece in batch:
+            target = planner.resolve_tensor(item).detach()
+            lengths = tuple(int(x) for x in item.lengths)
+            if tuple(target.shape) != lengths:
+                raise CheckpointLoadError(
+                    f"{item.storage_index.fqn!r}: the planner's target has shape {list(target.shape)}, "
+                    f"the read {list(lengths)}"
+                )
+            box = tuple(o + int(s) for o, s in zip(piece.offset, item.storage_offsets))
+            dest = target if target.device.type == "cpu" else torch.empty(lengths, dtype=target.dtype)
+            reads.append(Read(rec, piece, box, lengths, dest))
+            targets.append((item, target, dest))
+        execute_all(reads, files, m, checks, buffers=spans)
+        checks.finish()  # every byte is checked before it reaches a target off the CPU, or the planner
+        for item, target, dest in targets:
+            if dest is not target:
+                target.copy_(dest)
+            planner.commit_tensor(item, target)
 
     # ---------------------------------------------------------------- helpers
     def _path(self) -> str:

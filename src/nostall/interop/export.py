@@ -57,7 +57,8 @@ from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.core.tensorbuf import byte_view
 from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
-from nostall.loading.manifests import read_side_file
+from nostall.loading.engine import SPAN_BUDGET
+from nostall.loading.manifests import read_manifest, read_side_file
 from nostall.core.model import numel
 from nostall.interop._common import Progress, ProgressFn, Source, split_key
 
@@ -194,33 +195,28 @@ class _Streamer:
         self.limit = memory_limit
         self.progress = progress
         self.peak = 0
-        # the loader may read a partial piece through a buffer of the region widened to
-        # checksum blocks: up to one block on each side
-        self.overhead = 2 * src.manifest.block_size
+        # the read engine's span buffers (the source's, kept from slab to slab, within its read budget:
+        # read_budget() of this limit)
+        self.spans = src.spans.most(src.manifest.block_size)
 
     def _cost(self, item: _Item, n: int) -> int:
-        """Bytes held while a slab of ``n`` elements is read and written: the slab, the
-        loader's read buffer (at most the widened region, never more than a whole piece)
-        and the cast copy."""
-        si = item.src_dtype.itemsize
-        read_buf = min(max((p.nbytes for p in item.rec.pieces), default=0), n * si + self.overhead)
+        """Bytes held while a slab of ``n`` elements is read and written: the slab, the read
+        engine's span buffers and the cast copy."""
         cast = n * item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
-        return n * si + read_buf + cast
+        return n * item.src_dtype.itemsize + self.spans + cast
 
     def slab_elems(self, item: _Item) -> int:
         """The most elements one slab of ``item`` may hold within the limit."""
         si = item.src_dtype.itemsize
         so = item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
-        biggest_piece = max((p.nbytes for p in item.rec.pieces), default=0)
-        candidates = [(self.limit - self.overhead) // (2 * si + so),  # read buffer bounded by the region
-                      (self.limit - biggest_piece) // (si + so)]  # read buffer bounded by a whole piece
-        n = max(candidates)
+        n = (self.limit - self.spans) // (si + so)
         if n < 1 and numel(item.rec.shape) > 0:
-            need = min(self._cost(item, 1), self.overhead + 2 * si + so)
+            bs = self.src.manifest.block_size
+            need = 2 * bs + si + so
             raise CheckpointLoadError(
-                f"memory limit {self.limit} bytes is too small to read key {item.key!r}: a read may need up to two "
-                f"of the checkpoint's {self.src.manifest.block_size}-byte checksum blocks besides the data; allow "
-                f"at least {need} bytes"
+                f"memory limit {self.limit} bytes is too small to read key {item.key!r}: a read needs buffers of "
+                f"at least two of the checkpoint's {bs}-byte checksum blocks besides the data; allow at least "
+                f"{need} bytes"
             )
         return max(n, 1)
 
@@ -323,9 +319,11 @@ def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequen
         separator: joins the remaining key components in output names (``/`` -> ``.``).
         dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"``...).
         max_shard_size: largest safetensors file, in bytes.
-        memory_limit: bytes of buffers the export may hold at once. A tensor
-            bigger than that is written region by region. (A side file, at
-            most 64 MiB, is read whole, one at a time.)
+        memory_limit: bytes of buffers the export may hold at once, the
+            read engine's span buffers included (a quarter of the limit, at
+            most 48 MiB, at least two checksum blocks). A tensor bigger than
+            the rest is written region by region. (A side file, at most
+            64 MiB, is read whole, one at a time.)
         progress: ``progress(done_bytes, total_bytes)`` after each region.
 
     Side files go into a safetensors export (``huggingface/`` ones at its top
@@ -343,7 +341,9 @@ def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequen
         raise ValueError(f"to must be 'safetensors' or 'torch', got {to!r}")
     if memory_limit <= 0 or max_shard_size <= 0:
         raise ValueError("memory_limit and max_shard_size must be positive")
-    source = Source(src, storage_options=storage_options, verify=verify)
+    manifest = read_manifest(src, storage_options)
+    source = Source(src, storage_options=storage_options, verify=verify, manifest=manifest,
+                    read_budget=read_budget(memory_limit, manifest.block_size))
     try:
         items, tied = _select(source.manifest, src, keys, strip_prefix, separator, dtype)
         prog = Progress(f"export {src} -> {dst}", sum(i.nbytes for i in items), progress)
@@ -359,6 +359,12 @@ def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequen
                             side_files=side_paths, side_files_skipped=skipped)
     finally:
         source.close()
+
+
+def read_budget(memory_limit: int, block_size: int) -> int:
+    """The span buffers' share of an export's ``memory_limit``: a quarter, at most the loads' default
+    (:data:`~nostall.loading.engine.SPAN_BUDGET`), at least two checksum blocks (what one read needs)."""
+    return min(SPAN_BUDGET, max(memory_limit // 4, 2 * block_size))
 
 
 def _select(m: Manifest, src: str, keys: Optional[Sequence[str]], strip_prefix: Optional[str], separator: str,

@@ -7,18 +7,29 @@ the DCP reader (:mod:`nostall.interop.dcp`) and the conversions' ``Source``
 
 * :func:`plan_reads` turns a destination region into :class:`Read` s of the pieces it
   intersects (resharding by box intersection); :func:`unique_reads` drops repeats;
-* :func:`execute` performs one :class:`Read` into its destination, handing what it read to a
+* :func:`execute_all` performs a list of :class:`Read` s, file by file: the block-aligned byte
+  ranges they need are sorted and coalesced into spans (ranges that touch or overlap, and gaps
+  under :data:`COALESCE_GAP`), each span read once into a :class:`SpanBuffers` arena and scattered
+  to every destination it covers; each block read is handed once to a
   :class:`~nostall.loading.sources.Verifier`, which checks checksums in a thread while the next
   bytes are read.
 
-Reads are aligned to checksum blocks, so every byte used is verified; a piece needed whole lands
-straight in the destination tensor (no extra copy).
+The span buffers are the caller's: :func:`execute_all` makes its own for the call (released when it
+returns or raises) unless given a :class:`SpanBuffers`, which its owner closes (a conversion's
+``Source``, the DCP reader). Their bytes are bounded by the buffers' ``budget`` (a load's default
+:data:`SPAN_BUDGET`; an export sets it from its ``memory_limit``); nothing is kept between owners.
+
+Reads are aligned to checksum blocks, so every byte used is verified; a piece of at least
+:data:`DIRECT_MIN` bytes needed whole, by one read into a contiguous CPU tensor of its dtype, lands
+straight in that tensor (no extra copy).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Tuple
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -26,11 +37,25 @@ from nostall.core.dtypes import torch_dtype
 from nostall.core.format import Manifest, PieceRecord, TensorRecord
 from nostall.core.model import numel
 from nostall.core.tensorbuf import byte_view
-from nostall.loading.sources import READ_CHUNK, DataFiles, Verifier
+from nostall.loading.sources import Blocks, DataFiles, Verifier
 
 Shape = Tuple[int, ...]
 VERIFY_WINDOW = 16 << 20
-"""Whole-piece reads go in windows of this size, each checked while the next is read."""
+"""A whole piece read straight into its tensor goes in windows of this size, each checked while the next is
+read."""
+SPAN_BUDGET = 48 << 20
+"""A load's span buffers by default: up to three arenas of 16 MiB (one read into while the others' blocks are
+checked)."""
+ARENAS = 3
+"""The most arenas :class:`SpanBuffers` holds."""
+COALESCE_GAP = 64 << 10
+"""Ranges of one file at most this many bytes apart are read as one span (the gap read and dropped)."""
+DIRECT_MIN = 1 << 20
+"""A whole piece of at least this many bytes is read straight into its destination when it can be."""
+COPY_GRAIN = 1 << 15
+"""Elements per torch copy into CPU memory: torch's own grain, under which a copy stays on the calling thread
+(its intra-op threads would contend with the verifier's, and stall on a busy machine)."""
+OnError = Callable[["Read", Exception], None]
 
 
 @dataclass
@@ -44,48 +69,333 @@ class Read:
     dest: torch.Tensor  # view of the destination covering exactly the region
 
 
-def execute(r: Read, files: DataFiles, m: Manifest, checks: Verifier) -> None:
-    """Perform the read ``r`` into ``r.dest``: straight into it when it is the whole piece in CPU memory,
-    else in row spans of about :data:`READ_CHUNK`; every block read goes to ``checks``."""
-    piece = r.piece
-    if numel(r.box_shape) == 0:
-        return
+@dataclass
+class _Need:
+    """The bytes ``[lo, hi)`` of its file (block-aligned in the piece) that ``read`` needs; ``first`` is the
+    region's first element and ``strides`` the piece's, in elements. ``whole``: the whole piece, into a
+    contiguous CPU tensor of its dtype (copied as bytes); ``direct``: read straight into that tensor."""
+
+    read: Read
+    lo: int
+    hi: int
+    first: int
+    strides: Shape
+    whole: bool = False
+    direct: bool = False
+
+
+@dataclass
+class _Span:
+    """The bytes ``[lo, hi)`` of a file, read at once, covering ``needs``."""
+
+    lo: int
+    hi: int
+    needs: List[_Need] = field(default_factory=list)
+
+
+def _strides(shape: Shape) -> Shape:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return tuple(out)
+
+
+def _needs(r: Read, bs: int, shared: bool, window: int) -> Iterator[_Need]:
+    """The needs of ``r``: one, or, when its bytes in the piece widened to blocks would pass ``window``, those of
+    its chunks (:func:`_chunks`)."""
+    piece, box = r.piece, r.box_shape
     dtype = torch_dtype(r.rec.dtype)
+    isz = dtype.itemsize
     dest = r.dest
-    if r.box_shape == piece.shape and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
-        _read_whole(r, files, m.block_size, checks)
-        return
-    path = files.path(piece.file)
-    bs, isz = m.block_size, dtype.itemsize
-    pshape = piece.shape
-    nd = len(pshape)
-    strides = [1] * nd
-    for d in range(nd - 2, -1, -1):
-        strides[d] = strides[d + 1] * pshape[d + 1]
-    loc = [b - p for b, p in zip(r.box_off, piece.offset)]
-    if nd == 0:
-        rows = [(0, 1)]
-    else:
-        per = max(1, READ_CHUNK // max(1, strides[0] * isz))
-        rows = [(a, min(a + per, loc[0] + r.box_shape[0])) for a in range(loc[0], loc[0] + r.box_shape[0], per)]
-    for a, b in rows:
-        if nd == 0:
-            first, last = 0, 1
-        else:
-            first = a * strides[0] + sum(loc[d] * strides[d] for d in range(1, nd))
-            last = (b - 1) * strides[0] + sum((loc[d] + r.box_shape[d] - 1) * strides[d] for d in range(1, nd)) + 1
+    strides = _strides(piece.shape)
+    if box == piece.shape and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
+        if not shared and piece.nbytes >= DIRECT_MIN:
+            yield _Need(r, piece.start, piece.end, 0, strides, True, True)
+            return
+        if piece.nbytes <= window:
+            yield _Need(r, piece.start, piece.end, 0, strides, True, False)
+            return
+    for c in _chunks(r, strides, isz, max(isz, window - bs)):
+        first = sum((c.box_off[d] - piece.offset[d]) * strides[d] for d in range(len(strides)))
+        last = first + sum((n - 1) * s for n, s in zip(c.box_shape, strides)) + 1
         lo = (first * isz) // bs * bs
         hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
-        buf = files.read(piece.file, piece.start + lo, hi - lo)
-        checks.check(buf, lo // bs, piece, r.rec, path, bs)
-        flat = torch.frombuffer(buf, dtype=torch.uint8).view(dtype)
-        if nd == 0:
-            src = flat.reshape(())
-            dst = dest
+        yield _Need(c, piece.start + lo, piece.start + hi, first, strides)
+
+
+def _chunks(r: Read, strides: Shape, isz: int, target: int) -> Iterator[Read]:
+    """``r``, or its sub-regions in file order whose bytes in the piece (first to last element) are at most
+    ``target`` each: split along its first dimension of more than one index, in runs of as many indices as fit,
+    a run of one split again along the next."""
+    box = r.box_shape
+    if (sum((n - 1) * s for n, s in zip(box, strides)) + 1) * isz <= target:
+        yield r
+        return
+    d = next(i for i, n in enumerate(box) if n > 1)
+    per = max(1, target // max(1, strides[d] * isz))
+    for a in range(0, box[d], per):
+        k = min(per, box[d] - a)
+        sub = Read(r.rec, r.piece, r.box_off[:d] + (r.box_off[d] + a,) + r.box_off[d + 1:],
+                   box[:d] + (k,) + box[d + 1:], r.dest.narrow(d, a, k))
+        if k == 1:
+            yield from _chunks(sub, strides, isz, target)
         else:
-            src = flat.as_strided((b - a,) + tuple(r.box_shape[1:]), strides, first - lo // isz)
-            dst = dest.narrow(0, a - loc[0], b - a)
-        dst.copy_(src)
+            yield sub
+
+
+def _spans(needs: List[_Need], window: int) -> Iterator[_Span]:
+    """The needs of one file in file order coalesced into spans, a direct need alone in its own.
+
+    A need inside the current span joins it; one that starts at most :data:`COALESCE_GAP` past its end joins it
+    while the span stays within ``window``. So a new span starts past the previous one's end or
+    inside the last need of it (a chunk's boundary block), never earlier.
+    """
+    cur: Optional[_Span] = None
+    for n in sorted(needs, key=lambda n: (n.lo, n.hi)):
+        if n.direct:
+            if cur is not None:
+                yield cur
+                cur = None
+            yield _Span(n.lo, n.hi, [n])
+        elif cur is not None and n.lo <= cur.hi + COALESCE_GAP and (
+                n.hi <= cur.hi or n.hi - cur.lo <= window):
+            cur.needs.append(n)
+            cur.hi = max(cur.hi, n.hi)
+        else:
+            if cur is not None:
+                yield cur
+            cur = _Span(n.lo, n.hi, [n])
+    if cur is not None:
+        yield cur
+
+
+class _Arena:
+    """A buffer that spans are placed in one after the other, and the checks of what they hold, handed to the
+    verifier in one task when the arena is full (``pending``: that task)."""
+
+    def __init__(self, buf: memoryview) -> None:
+        self.buf = buf
+        self.used = 0
+        self.parts: List[Blocks] = []
+        self.pending: Optional["Future[None]"] = None
+
+
+class SpanBuffers:
+    """The arenas :func:`execute_all` reads spans into, owned by whoever makes them and released by :meth:`close`
+    (also a context manager): :func:`execute_all` makes its own for one call when given none; a caller that reads
+    many times (a conversion's ``Source``, the DCP reader) may keep one across its reads and close it at its end.
+
+    ``budget``: the bytes all arenas may hold together (:meth:`most`). They are up to :data:`ARENAS` arenas of
+    ``budget`` / their number in whole checksum blocks (fewer arenas when one would not hold two blocks), made
+    as needed and only as large as what is left to read; a region whose block-aligned bytes would not fit an
+    arena is read in chunks that do (a chunk's data at most an arena less one block: its partial blocks at both
+    ends fit). A budget under two blocks still takes two (a block's worth of data may straddle two). An arena is
+    filled again only once the checks of what it held are done, so a span's bytes stay in place until
+    checked, and the previous span's while the next is read.
+    """
+
+    def __init__(self, budget: Optional[int] = None) -> None:
+        budget = SPAN_BUDGET if budget is None else budget
+        if budget <= 0:
+            raise ValueError("a span buffer budget must be positive")
+        self.budget = budget
+        self.ring: List[_Arena] = []
+        self.i = 0
+        self.bs = 0
+        self.left = 0  # bytes of spans this call still reads (arenas are made no larger)
+        self.checks: Optional[Verifier] = None
+
+    def arenas(self, bs: int) -> int:
+        """How many arenas the budget is cut into for checksum blocks of ``bs`` bytes (each holds two blocks or
+        more)."""
+        return max(1, min(ARENAS, self.budget // (2 * bs)))
+
+    def window(self, bs: int) -> int:
+        """The most bytes one span holds: an arena's share of the budget, in whole blocks (two at least)."""
+        return max(2 * bs, self.budget // self.arenas(bs) // bs * bs)
+
+    def most(self, bs: int) -> int:
+        """The most bytes the arenas hold at once for blocks of ``bs`` bytes: within the budget, or two blocks
+        when the budget is smaller."""
+        return self.arenas(bs) * self.window(bs)
+
+    def _begin(self, checks: Verifier, bs: int, left: int) -> None:
+        if bs != self.bs:
+            self._flush_all()
+            self.ring, self.i, self.bs = [], 0, bs
+        self.checks, self.left = checks, left
+
+    def take(self, size: int) -> memoryview:
+        """A buffer of ``size`` bytes; what the buffers taken before it hold stays until the next round."""
+        a = self.ring[self.i] if self.ring else None
+        if a is None or a.used + size > len(a.buf):
+            if a is not None:
+                self._flush(a)
+            if len(self.ring) < self.arenas(self.bs):
+                a = _Arena(_alloc(max(size, min(self.window(self.bs), self.left))))
+                self.ring.append(a)
+                self.i = len(self.ring) - 1
+            else:
+                self.i = (self.i + 1) % len(self.ring)
+                a = self.ring[self.i]
+                if a.pending is not None:
+                    a.pending.exception()  # wait; a mismatch is raised by the checks' finish()
+                a.used, a.pending = 0, None
+                if len(a.buf) < size:
+                    a.buf = memoryview(b"")  # the old arena goes before the new one is made
+                    a.buf = _alloc(max(size, min(self.window(self.bs), self.left)))
+        a.used += size
+        self.left -= size
+        return a.buf[a.used - size : a.used]
+
+    def check(self, parts: List[Blocks]) -> None:
+        """Check ``parts`` (in the buffer taken last) when its arena is full, or at the end of the call."""
+        self.ring[self.i].parts += parts
+
+    def _flush(self, a: _Arena) -> None:
+        if a.parts and self.checks is not None:
+            a.pending = self.checks.check_all(a.parts, self.bs)
+        a.parts = []
+
+    def _flush_all(self) -> None:
+        """Hand the checks still held to the verifier (the caller waits for them with its ``finish()``)."""
+        for a in self.ring:
+            self._flush(a)
+        self.checks = None
+
+    def close(self) -> None:
+        """Let the arenas go (a check still running holds its arena until it ends)."""
+        self.ring, self.i, self.checks = [], 0, None
+
+    def __enter__(self) -> "SpanBuffers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _alloc(size: int) -> memoryview:
+    """``size`` bytes of new memory, freed when the last view of it goes (the C allocator may reuse its pages for
+    the next arena: 16 MiB there costs ~0.5 ms, in fresh pages ~7 ms)."""
+    return memoryview(bytearray(size))
+
+
+def execute_all(reads: List[Read], files: DataFiles, m: Manifest, checks: Verifier,
+                on_error: Optional[OnError] = None, buffers: Optional[SpanBuffers] = None) -> None:
+    """Perform ``reads`` into their destinations, file by file and in file order, each needed byte read once and
+    every block read handed once to ``checks`` (the caller waits for them with ``checks.finish()``).
+
+    ``on_error(read, e)``: called with the read at fault when reading (``OSError``) or copying into a destination
+    (``RuntimeError``) fails, before the error propagates (it may raise its own). ``buffers``: the span buffers to
+    read through (kept by their owner); None: buffers of :data:`SPAN_BUDGET` bytes for this call only.
+    """
+    own = buffers is None
+    ring = SpanBuffers() if buffers is None else buffers
+    try:
+        bs = m.block_size
+        window = ring.window(bs)
+        uses = Counter((r.piece.file, r.piece.start) for r in reads)
+        by_file: Dict[str, List[_Need]] = {}
+        for r in reads:
+            if numel(r.box_shape):
+                by_file.setdefault(r.piece.file, []).extend(
+                    _needs(r, bs, uses[(r.piece.file, r.piece.start)] > 1, window))
+        spans = {name: list(_spans(needs, window)) for name, needs in by_file.items()}
+        ring._begin(checks, bs, sum(s.hi - s.lo for ss in spans.values() for s in ss if not s.needs[0].direct))
+        try:
+            _execute_files(spans, files, bs, checks, ring, on_error)
+        finally:
+            ring._flush_all()
+    finally:
+        if own:
+            ring.close()
+
+
+def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, checks: Verifier, ring: SpanBuffers,
+                   on_error: Optional[OnError]) -> None:
+    """:func:`execute_all`'s reads: each file's spans in file order, each read, handed to ``checks`` and
+    scattered."""
+    for name in sorted(spans):
+        path = files.path(name)
+        prev: Optional[Tuple[_Span, memoryview]] = None
+        for item in spans[name]:
+            at = item.needs[0].read
+            try:
+                if item.needs[0].direct:
+                    _read_whole(at, files, bs, checks)
+                    continue
+                buf = _read_span(item, prev, files, name, ring)
+                ring.check(_to_check(item, prev, buf, path, bs))
+                prev = (item, buf)
+                for n in item.needs:
+                    at = n.read
+                    _scatter(n, buf[n.lo - item.lo : n.hi - item.lo], n.lo - n.read.piece.start)
+            except (OSError, RuntimeError) as e:
+                if on_error is not None:
+                    on_error(at, e)
+                raise
+
+
+def _read_span(span: _Span, prev: Optional[Tuple[_Span, memoryview]], files: DataFiles, name: str,
+               ring: SpanBuffers) -> memoryview:
+    """The bytes of ``span``, in a ring buffer: what overlaps the previous span copied from its buffer (read and
+    handed to the checks already), the rest read."""
+    buf = ring.take(span.hi - span.lo)
+    start = span.lo
+    if prev is not None and prev[0].hi > span.lo:
+        keep = prev[0].hi - span.lo
+        buf[:keep] = prev[1][span.lo - prev[0].lo : prev[0].hi - prev[0].lo]
+        start = prev[0].hi
+    if span.hi > start:
+        files.read(name, start, span.hi - start, into=buf[start - span.lo :])
+    return buf
+
+
+def _to_check(span: _Span, prev: Optional[Tuple[_Span, memoryview]], buf: memoryview, path: str,
+              bs: int) -> List[Blocks]:
+    """The blocks of ``span`` to check, as (bytes, their first block in the piece, piece, record, path): those its
+    needs cover, each once, less what the previous span checked."""
+    floor = prev[0].hi if prev is not None and prev[0].hi > span.lo else span.lo
+    ranges: Dict[Tuple[int, int], List[Tuple[int, int, Read]]] = {}
+    for n in span.needs:
+        lo = max(n.lo, floor)
+        if n.hi > lo:
+            ranges.setdefault((n.read.piece.start, n.read.piece.end), []).append((lo, n.hi, n.read))
+    out = []
+    for parts in ranges.values():
+        parts.sort(key=lambda x: x[0])
+        lo, hi, r = parts[0]
+        for a, b, _ in parts[1:]:
+            if a > hi:
+                out.append((buf[lo - span.lo : hi - span.lo], (lo - r.piece.start) // bs, r.piece, r.rec, path))
+                lo = a
+            hi = max(hi, b)
+        out.append((buf[lo - span.lo : hi - span.lo], (lo - r.piece.start) // bs, r.piece, r.rec, path))
+    return out
+
+
+def _scatter(n: _Need, raw: memoryview, lo: int) -> None:
+    """Copy the region of ``n`` from ``raw``, its bytes from ``lo`` (in the piece) on, into its destination: a
+    whole piece as bytes (one memcpy); else by torch, into CPU memory in copies of at most :data:`COPY_GRAIN`
+    elements, each on this thread."""
+    r = n.read
+    if n.whole:
+        byte_view(r.dest)[:] = raw
+        return
+    flat = torch.frombuffer(raw, dtype=torch_dtype(r.rec.dtype))
+    first = n.first - lo // flat.element_size()
+    box, dest = r.box_shape, r.dest
+    if not box:
+        dest.copy_(flat[first])
+        return
+    src = flat.as_strided(box, n.strides, first)
+    step = max(1, COPY_GRAIN // max(1, numel(box[1:])))
+    if dest.device.type != "cpu" or box[0] <= step:
+        dest.copy_(src)
+        return
+    for a in range(0, box[0], step):
+        k = min(step, box[0] - a)
+        dest.narrow(0, a, k).copy_(src.narrow(0, a, k))
 
 
 def _read_whole(r: Read, files: DataFiles, bs: int, checks: Verifier) -> None:
@@ -105,7 +415,11 @@ def plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[Read
     shape = tuple(dest.shape)
     if numel(shape) == 0:
         return
-    for p in rec.pieces:
+    pieces = rec.pieces
+    if shape:  # first the pieces that meet the region's rows (one cheap test each), then the whole boxes
+        lo0, hi0 = off[0], off[0] + shape[0]
+        pieces = tuple(p for p in pieces if p.offset[0] < hi0 and p.offset[0] + p.shape[0] > lo0)
+    for p in pieces:
         lo = tuple(max(a, b) for a, b in zip(off, p.offset))
         hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, p.offset, p.shape))
         if any(h <= l for l, h in zip(lo, hi)):

@@ -4,7 +4,7 @@ No collective is needed: a rank reads the manifest (or is given its share of
 it, :mod:`nostall.loading.collective`) and, for each tensor of its template,
 the byte ranges of the saved pieces that intersect the region it holds.
 Reads are aligned to checksum blocks, so every byte used is verified.
-A piece needed whole lands straight in the destination tensor (no extra copy).
+A piece of 1 MiB or more needed whole lands straight in the destination tensor (no extra copy).
 The reads themselves are :mod:`nostall.loading.engine`'s; every file is read
 through the checkpoint's :class:`~nostall.storage.root.Root` (:mod:`nostall.loading.sources`).
 The manifest is :mod:`nostall.loading.manifests`'; ``nostall verify`` is :mod:`nostall.loading.verify`.
@@ -461,21 +461,21 @@ class _TemplatePlan:
 
 
 def _fill(reads: List[Read], files: DataFiles, m: Manifest, verify: bool) -> None:
-    """A load's second phase: perform ``reads`` (in file order), every byte verified before it returns."""
+    """A load's second phase: perform ``reads`` (coalesced per file), every byte verified before it returns."""
+
+    def failed(r: Read, e: Exception) -> None:
+        if isinstance(e, OSError):
+            hint = (" (the template's memory is not writable: load into writable tensors)"
+                    if e.errno == errno.EFAULT else "")
+            raise CheckpointLoadError(
+                f"key {r.rec.key!r}: reading {files.path(r.piece.file)} into the template failed: "
+                f"{e.strerror or e}{hint}; check the storage and retry"
+            ) from e
+        raise CheckpointLoadError(  # torch refusing the copy (e.g. an expanded template tensor)
+            f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
+            "a plain tensor of its own memory (e.g. .clone())"
+        ) from e
+
     with Verifier(verify) as checks, torch.no_grad():
-        for r in reads:
-            try:
-                engine.execute(r, files, m, checks)
-            except OSError as e:
-                hint = (" (the template's memory is not writable: load into writable tensors)"
-                        if e.errno == errno.EFAULT else "")
-                raise CheckpointLoadError(
-                    f"key {r.rec.key!r}: reading {files.path(r.piece.file)} into the template failed: "
-                    f"{e.strerror or e}{hint}; check the storage and retry"
-                ) from e
-            except RuntimeError as e:  # torch refusing the copy (e.g. an expanded template tensor)
-                raise CheckpointLoadError(
-                    f"key {r.rec.key!r}: cannot write into the template's tensor: {e}; give the template "
-                    "a plain tensor of its own memory (e.g. .clone())"
-                ) from e
+        engine.execute_all(reads, files, m, checks, failed)
         checks.finish()

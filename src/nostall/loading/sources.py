@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import collections
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 from nostall.core.format import MANIFEST_NAME, Manifest, PieceRecord, TensorRecord, crc
 from nostall.errors import CheckpointCorruptError
@@ -23,7 +23,7 @@ from nostall.storage.locate import split_checkpoint
 from nostall.storage.root import Root, StoredFile
 
 READ_CHUNK = 64 << 20
-"""Bytes read at a time where a read is not straight into its destination."""
+"""Bytes read at a time by whole-file passes (:func:`verify_window`)."""
 
 
 def verify_window(bs: int) -> int:
@@ -135,6 +135,16 @@ def check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: Ten
             )
 
 
+Blocks = Tuple[memoryview, int, PieceRecord, TensorRecord, str]
+"""Bytes to check: the buffer, its first block in the piece, the piece, its record, the file's path."""
+
+
+def check_all(parts: Sequence[Blocks], bs: int) -> None:
+    """:func:`check_blocks` of each of ``parts``."""
+    for buf, first_block, piece, rec, path in parts:
+        check_blocks(buf, first_block, piece, rec, path, bs)
+
+
 class Verifier:
     """Checks blocks against their checksums in one thread while the next bytes are read.
 
@@ -150,11 +160,18 @@ class Verifier:
 
     def check(self, buf: memoryview, first_block: int, piece: PieceRecord, rec: TensorRecord, path: str,
               bs: int) -> None:
-        if self._pool is None:
-            return
+        self.check_all([(buf, first_block, piece, rec, path)], bs)
+
+    def check_all(self, parts: Sequence[Blocks], bs: int) -> "Optional[Future[None]]":
+        """Check ``parts`` (one task); the task's future (done once its buffers are free), None when nothing is
+        checked."""
+        if self._pool is None or not parts:
+            return None
         while len(self._pending) >= self._depth:
             self._pending.popleft().result()
-        self._pending.append(self._pool.submit(check_blocks, buf, first_block, piece, rec, path, bs))
+        fut = self._pool.submit(check_all, parts, bs)
+        self._pending.append(fut)
+        return fut
 
     def finish(self) -> None:
         while self._pending:
