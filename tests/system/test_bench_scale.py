@@ -195,8 +195,10 @@ def test_points_above_measure_up_to_are_computed_and_labelled(tmp_path):
     """Above --measure-up-to rank 0's planning, the manifest and the commit figures are computed (and say how);
     a non-zero rank's work and the byte counts of the plan exchange are still measured; the distinct boxes are
     the plan's pieces. A non-zero rank's bytes do not grow with the ranks; rank 0's do."""
-    out = bench_scale.run_scale(["planning"], [4, 8, 16], [10], reps=1, root=str(tmp_path), measure_up_to=8)
-    p4, p8, p16 = out["planning"]
+    out = bench_scale.run_scale(["planning"], [4, 8, 16, 32], [10], reps=1, root=str(tmp_path), measure_up_to=8)
+    p4, p8, p16, p32 = out["planning"]
+    assert all("through the 4 and 8-rank points" in p32["computed"][f] for f in bench_scale.COMPUTED_TIMES)
+    assert "as at 8 ranks" in p32["computed"]["commit"]  # from the measured points only
     assert p4["computed"] == p8["computed"] == {}
     computed = {"manifest_bytes", "parse_memory_estimate", "commit"}
     assert set(p16["computed"]) == set(bench_scale.COMPUTED_TIMES) | computed

@@ -419,7 +419,8 @@ def compute_unmeasured(points: List[Dict[str, Any]]) -> None:
     for p in points:
         if "plan_s" in p:
             continue
-        base = sorted((q for q in points if q["tensors"] == p["tensors"] and "plan_s" in q), key=lambda q: q["pieces"])
+        base = sorted((q for q in points if q["tensors"] == p["tensors"] and "plan_s" in q and not q["computed"]),
+                      key=lambda q: q["pieces"])
         if not base:
             p["computed"]["all"] = "nothing measured at this tensor count"
             continue
