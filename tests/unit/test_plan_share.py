@@ -64,4 +64,17 @@ def test_copies_of_names_each_ranks_replicated_keys():
     shared = replicas.shared_keys(metas)
     copies = replicas.copies_of(shared, 16)
     for r in range(16):
-        assert copies[r] == [k for k, ranks in shared.items() if r in ranks]
+        assert copies[r] == [k for k, groups in shared.items() for ranks in groups if r in ranks]
+
+
+def test_replica_check_compares_every_box_of_a_key_copied_across_groups():
+    # a TP weight (column halves over ranks 0-1) copied to ranks 2-3: both halves' copies are compared
+    def tp(r):
+        return RankMeta((TensorMeta("w", "F32", (2, 4), (0, 2 * (r % 2)), (2, 2), True, r < 2),), ())
+
+    shared = replicas.shared_keys([tp(r) for r in range(4)])
+    assert shared == {"w": ((0, 2), (1, 3))}
+    # the second half's copies differ: found (the check used to keep only one box per key)
+    problem = replicas.disagreements(shared, [{"w": 1}, {"w": 2}, {"w": 1}, {"w": 9}])
+    assert problem is not None and "ranks 1 and 3" in problem
+    assert replicas.disagreements(shared, [{"w": 1}, {"w": 2}, {"w": 1}, {"w": 2}]) is None

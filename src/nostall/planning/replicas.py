@@ -16,7 +16,7 @@ every rank raises the same error.
 Example::
 
     >>> from nostall.planning.replicas import disagreements
-    >>> shared = {"w": (0, 1)}                 # key -> the ranks holding a copy
+    >>> shared = {"w": ((0, 1),)}              # key -> the groups of ranks holding a copy
     >>> disagreements(shared, [{"w": 7}, {"w": 7}]) is None
     True
     >>> print(disagreements(shared, [{"w": 7}, {"w": 9}]))  # doctest: +ELLIPSIS
@@ -37,35 +37,44 @@ __all__ = ["shared_keys", "digests", "disagreements"]
 _CHUNK = 64 << 20  # bytes copied from a device at a time
 
 
-def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[int, ...]]:
-    """Keys held by several ranks in the same box: key -> those ranks (from every rank's plan metadata).
+def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[Tuple[int, ...], ...]]:
+    """Keys held by several ranks in the same box: key -> the groups of ranks holding the same box of it
+    (from every rank's plan metadata).
 
     A rank holds at most one piece of a key; ranks whose pieces of a key have
     different boxes are not copies of each other (sharded pieces), so the
-    ranks are grouped by box and only boxes with two or more holders count.
-    ``metas`` are :class:`nostall.planning.plan.RankMeta` values.
+    ranks are grouped by box and only boxes with two or more holders count:
+    a tensor-parallel weight copied across data-parallel groups has one
+    group per shard. ``metas`` are :class:`nostall.planning.plan.RankMeta` values.
+
+    >>> from nostall.planning.plan import RankMeta, TensorMeta
+    >>> def tp(r):  # column halves over ranks 0-1, copied to ranks 2-3
+    ...     return RankMeta((TensorMeta("w", "F32", (2, 4), (0, 2 * (r % 2)), (2, 2), True, r < 2),), ())
+    >>> shared_keys([tp(r) for r in range(4)])
+    {'w': ((0, 2), (1, 3))}
     """
     boxes: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], List[int]] = {}
     for r, m in enumerate(metas):
         for t in m.tensors:  # type: ignore[attr-defined]
             boxes.setdefault((t.key, t.offset, t.shape), []).append(r)
-    out: Dict[str, Tuple[int, ...]] = {}
+    groups: Dict[str, List[Tuple[int, ...]]] = {}
     for (key, _off, _shape), ranks in sorted(boxes.items()):
         if len(ranks) > 1:
-            out[key] = tuple(ranks)
-    return out
+            groups.setdefault(key, []).append(tuple(ranks))
+    return {k: tuple(g) for k, g in groups.items()}
 
 
-def copies_of(shared: Dict[str, Tuple[int, ...]], world: int) -> List[List[str]]:
+def copies_of(shared: Dict[str, Tuple[Tuple[int, ...], ...]], world: int) -> List[List[str]]:
     """Each rank's keys in ``shared`` (:func:`shared_keys`): what it checksums for the check.
 
-    >>> copies_of({"a": (0, 1), "b": (1, 2)}, 3)
+    >>> copies_of({"a": ((0, 1),), "b": ((1, 2),)}, 3)
     [['a'], ['a', 'b'], ['b']]
     """
     out: List[List[str]] = [[] for _ in range(world)]
-    for key, ranks in shared.items():
-        for r in ranks:
-            out[r].append(key)
+    for key, groups in shared.items():
+        for ranks in groups:
+            for r in ranks:
+                out[r].append(key)
     return out
 
 
@@ -86,19 +95,20 @@ def digests(flat: FlatState, keys: Sequence[str]) -> Dict[str, int]:
     return out
 
 
-def disagreements(shared: Dict[str, Tuple[int, ...]], gathered: Sequence[Dict[str, int]],
+def disagreements(shared: Dict[str, Tuple[Tuple[int, ...], ...]], gathered: Sequence[Dict[str, int]],
                   limit: int = 5) -> Optional[str]:
     """The message naming the keys whose copies differ across ranks, or None when all agree."""
     bad: List[str] = []
-    for key, ranks in shared.items():
-        groups: Dict[int, List[int]] = {}
-        for r in ranks:
-            if key in gathered[r]:
-                groups.setdefault(gathered[r][key], []).append(r)
-        if len(groups) > 1:
-            parts = sorted(groups.values())
-            a, b = parts[0], parts[1]
-            bad.append(f"key {key!r}: ranks {_ranks(a)} and {_ranks(b)} hold different values")
+    for key, rank_groups in shared.items():
+        for ranks in rank_groups:
+            groups: Dict[int, List[int]] = {}
+            for r in ranks:
+                if key in gathered[r]:
+                    groups.setdefault(gathered[r][key], []).append(r)
+            if len(groups) > 1:
+                parts = sorted(groups.values())
+                a, b = parts[0], parts[1]
+                bad.append(f"key {key!r}: ranks {_ranks(a)} and {_ranks(b)} hold different values")
     if not bad:
         return None
     more = f" (and {len(bad) - limit} more keys)" if len(bad) > limit else ""

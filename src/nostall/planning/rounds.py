@@ -102,7 +102,7 @@ class Rounds:
         self._mine: Optional[RankPlan] = None  # this rank's share of the plan it holds
         self._mine_sig = ""  # this rank's metadata signature when it got that share
         self._plan: Optional[SavePlan] = None  # rank 0: the whole plan
-        self._shared: Dict[str, Tuple[int, ...]] = {}  # rank 0: keys several ranks hold copies of
+        self._shared: Dict[str, Tuple[Tuple[int, ...], ...]] = {}  # rank 0: keys several ranks hold copies of
         self._objects: Dict[str, Any] = {}  # rank 0: this save's merged objects
         self._reports: Sequence[Report] = ()  # rank 0: this save's reports
 

@@ -512,8 +512,7 @@ def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int,
         dist.all_gather_object(gathered, mine)
         assert replicas.disagreements(shared, gathered) is None
         times.append(time.perf_counter() - t0)
-    nbytes = sum(flat.tensors[k].data.numel() * flat.tensors[k].data.element_size() for k, rs in shared.items()
-                 if rank in rs)
+    nbytes = sum(flat.tensors[k].data.numel() * flat.tensors[k].data.element_size() for k in keys)
     return {"check_s": times, "bytes": nbytes, "keys": len(shared)}
 
 
