@@ -95,6 +95,10 @@ def test_bench_scale_smoke(tmp_path, capsys):
     assert set(rows) == {k for k, _, _ in projection.ROWS}  # the load part ran: its row too
     assert {int(r) for r in rows["exchange_received_other"]["cells"]} == {4, 8}  # the largest tensor count's points
     assert rows["manifest_read"]["cells"]["8"]["value"] == planning[-1]["manifest_bytes"]
+    # a shared load: a non-zero rank receives the head and its share, less than the whole manifest at 8 ranks too
+    sl = planning[-1]["shared_load"]
+    assert rows["shared_received"]["cells"]["8"]["value"] == sl["head_bytes"] + sl["share_bytes"] > 0
+    assert sl["share_bytes"] < planning[-1]["manifest_bytes"] and sl["storage_reads_after"] == 1
 
     moe = out["moe"]
     assert moe["ranks"] == 2 and [p["tensors"] for p in moe["points"]] == [4, 12]

@@ -102,6 +102,21 @@ def _rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
         "manifest_parse": _cell(median(p["parse_s"]), _how(p, ["parse_s"], "Manifest.from_json_bytes")),
         "manifest_memory": _cell(p["parse_memory_estimate"], _how(p, ["parse_memory_estimate"],
                                                                    "format.json_memory_estimate")),
+        **_shared_rows(p),
+    }
+
+
+def _shared_rows(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The shared load's cells (measured points only: tools/bench/shares.py)."""
+    sl = p.get("shared_load")
+    if sl is None:
+        return {}
+    return {
+        "shared_received": _cell(sl["other_received_bytes"], MEASURED + " (the head + its share, pickled)"),
+        "shared_decode": _cell(sl["other_decode_s"], MEASURED + " (unpickle the head and its share, fill the head)"),
+        "shared_rank0": _cell(sl["rank0_parse_s"] + sl["rank0_head_s"] + sl["rank0_cut_s"] + sl["rank0_assign_s"]
+                              + sl["rank0_pickle_s"],
+                              MEASURED + " (parse + head + every rank's share + read-once assignment + pickling)"),
     }
 
 
@@ -116,11 +131,15 @@ ROWS = (
     ("exchange_received_rank0", "bytes", "plan exchange: bytes rank 0 receives"),
     ("commit_rank0_reads", "bytes", "commit of a background save: done records rank 0 reads"),
     ("commit_other_reads", "bytes", "commit of a background save: what a non-zero rank reads (the outcome)"),
-    ("manifest_read", "bytes", "load: manifest bytes every rank reads"),
-    ("manifest_parse", "s", "load: manifest parse on every rank"),
+    ("manifest_read", "bytes", "load alone (nostall.load; shared_loads=False): manifest bytes each rank reads"),
+    ("manifest_parse", "s", "load alone: manifest parse on each rank"),
     ("manifest_memory", "bytes", "load: the parse's memory estimate (a load refuses the manifest above "
                                  "MAX_MANIFEST_MEMORY, 4 GiB by default; manifests above MAX_MANIFEST_BYTES, 1 GiB)"),
-    ("load_share", "s", "load of one rank's share (saved layout): manifest parse + per-piece work"),
+    ("shared_received", "bytes", "shared load (a manager's, default): metadata a non-zero rank receives"),
+    ("shared_decode", "s", "shared load: a non-zero rank's metadata work"),
+    ("shared_rank0", "s", "shared load: rank 0's metadata work, which every rank waits for (the manifest is "
+                          "read once by the job)"),
+    ("load_share", "s", "load of one rank's share alone (saved layout): manifest parse + per-piece work"),
     ("load_data", "s", "load of one rank's share: its bytes at the raw read's pace (beside the row above)"),
 )
 """The projection's rows: key, unit, what."""

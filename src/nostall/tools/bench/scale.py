@@ -304,16 +304,21 @@ def _commit_bytes(plan: Any, block_size: int) -> Dict[str, Any]:
     return exchange.commit_exchange(jsons, pickles)
 
 
-def _manifest(plan: Any, reps: int) -> Dict[str, Any]:
-    """The commit's bytes and the manifest of ``plan``."""
+def _manifest(plan: Any, reps: int, tensors: int) -> Dict[str, Any]:
+    """The commit's bytes and the manifest of ``plan``; and what a shared load of it costs
+    (:mod:`nostall.tools.bench.shares`: every rank asks for the boxes it saved)."""
     from nostall.core.format import DEFAULT_BLOCK_SIZE
+    from nostall.tools.bench.shares import shared_load_costs
 
     pieces = sum(len(t.pieces) for t in plan.tensors.values()) + sum(len(d) for d in plan.per_rank)
     files = len(plan.files)
     commit = _commit_bytes(plan, DEFAULT_BLOCK_SIZE)
     times, raw = _synthetic_manifest(plan, DEFAULT_BLOCK_SIZE)
+    parse_s = _parse_times(raw, reps)
+    shared = shared_load_costs(raw, synthetic_metas(plan.world_size, tensors), median(parse_s))
     return {"plan_pieces": pieces, "files": files, **times, "manifest_bytes": len(raw),
-            "parse_s": _parse_times(raw, reps), "parse_memory_estimate": json_memory_estimate(raw), "commit": commit}
+            "parse_s": parse_s, "parse_memory_estimate": json_memory_estimate(raw), "commit": commit,
+            "shared_load": shared}
 
 
 def _parse_times(raw: bytes, reps: int) -> List[float]:
@@ -358,7 +363,7 @@ def _planning_point(ranks: int, tensors: int, reps: int, measure: bool) -> Dict[
         own_meta = metas[min(1, other)]
         del metas, copies
         gc.collect()
-        point.update(_manifest(plan, reps))
+        point.update(_manifest(plan, reps, tensors))
         del plan
         if point.pop("plan_pieces") != point["pieces"]:
             raise RuntimeError(f"{ranks} ranks x {tensors} tensors: the plan's pieces differ from the distinct boxes")
