@@ -212,3 +212,21 @@ def test_a_source_reads_within_its_budget_and_close_lets_the_arenas_go(tmp_path,
     finally:
         src.close()
     assert _alive(arenas) == 0
+
+
+def test_an_export_below_two_blocks_reads_small_pieces_within_its_limit(tmp_path, arenas):
+    """Blocks of 1 MiB, tensors of a few KiB, a 64 KiB limit: the span buffers are no larger than the pieces
+    read, and let go after each region's read."""
+    from safetensors.torch import load_file
+
+    from nostall.interop.export import export
+
+    path = str(tmp_path / "c")
+    saved = {"a": torch.randn(40, 30), "b": torch.arange(700, dtype=torch.float64)}
+    nostall.save(saved, path, block_size=1 << 20)
+    rep = export(path, str(tmp_path / "o"), memory_limit=64 << 10)
+    got = load_file(str(tmp_path / "o" / "model.safetensors"))
+    assert all(torch.equal(got[k], v) for k, v in saved.items())
+    assert rep.peak_buffer_bytes <= 64 << 10
+    assert 0 < arenas.most <= 64 << 10
+    assert _alive(arenas) == 0

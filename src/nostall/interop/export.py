@@ -57,7 +57,7 @@ from nostall.core.dtypes import dtype_code, torch_dtype
 from nostall.core.tensorbuf import byte_view
 from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
-from nostall.loading.engine import SPAN_BUDGET
+from nostall.loading.engine import COALESCE_GAP, SPAN_BUDGET
 from nostall.loading.manifests import read_manifest, read_side_file
 from nostall.core.model import numel
 from nostall.interop._common import Progress, ProgressFn, Source, split_key
@@ -195,28 +195,34 @@ class _Streamer:
         self.limit = memory_limit
         self.progress = progress
         self.peak = 0
-        # the read engine's span buffers (the source's, kept from slab to slab, within its read budget:
-        # read_budget() of this limit)
+        # the read engine's span buffers (the source's, within its read budget: read_budget() of this limit),
+        # let go after each slab's read
         self.spans = src.spans.most(src.manifest.block_size)
 
+    def _read_mem(self, item: _Item) -> int:
+        """The most bytes the span buffers hold while a slab of ``item`` is read: within their budget, and no
+        more than the item's stored pieces and the gaps a span may take in between two of them."""
+        pieces = item.rec.pieces
+        return min(self.spans, sum(p.nbytes for p in pieces) + COALESCE_GAP * max(0, len(pieces) - 1))
+
     def _cost(self, item: _Item, n: int) -> int:
-        """Bytes held while a slab of ``n`` elements is read and written: the slab, the read
-        engine's span buffers and the cast copy."""
+        """Bytes held while a slab of ``n`` elements is read and written: the slab, and the read
+        engine's span buffers while it is read or the cast copy after."""
         cast = n * item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
-        return n * item.src_dtype.itemsize + self.spans + cast
+        return n * item.src_dtype.itemsize + max(self._read_mem(item), cast)
 
     def slab_elems(self, item: _Item) -> int:
         """The most elements one slab of ``item`` may hold within the limit."""
         si = item.src_dtype.itemsize
         so = item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
-        n = (self.limit - self.spans) // (si + so)
+        n = min((self.limit - self._read_mem(item)) // si, self.limit // (si + so))
         if n < 1 and numel(item.rec.shape) > 0:
             bs = self.src.manifest.block_size
-            need = 2 * bs + si + so
+            need = max(self._read_mem(item) + si, si + so)
             raise CheckpointLoadError(
                 f"memory limit {self.limit} bytes is too small to read key {item.key!r}: a read needs buffers of "
-                f"at least two of the checkpoint's {bs}-byte checksum blocks besides the data; allow at least "
-                f"{need} bytes"
+                f"up to two of the checkpoint's {bs}-byte checksum blocks (no more than its stored pieces) besides "
+                f"the data; allow at least {need} bytes"
             )
         return max(n, 1)
 
@@ -231,7 +237,10 @@ class _Streamer:
         for off, shp in _slabs(shape, max_elems):
             n = numel(shp)
             buf = torch.empty(shp, dtype=item.src_dtype)
-            self.src.read(item.key, off, buf)
+            try:
+                self.src.read(item.key, off, buf)
+            finally:
+                self.src.spans.close()  # the span buffers go before the cast copy is made
             cast = buf if item.out_dtype == item.src_dtype else buf.to(item.out_dtype)
             self.peak = max(self.peak, self._cost(item, n))
             start = sum(o * s for o, s in zip(off, strides)) * so

@@ -264,7 +264,7 @@ class SpanBuffers:
         self.checks = None
 
     def close(self) -> None:
-        """Let the arenas go (a check still running holds its arena until it ends)."""
+        """Let the arenas go (a check still running holds its arena until it ends); a later call makes new ones."""
         self.ring, self.i, self.checks = [], 0, None
 
     def __enter__(self) -> "SpanBuffers":
