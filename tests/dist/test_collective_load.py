@@ -166,3 +166,21 @@ def test_a_reader_that_finds_damage_tells_the_ranks_it_reads_for(pool2: RankPool
     assert all(o is not None and o[0] == "CheckpointCorruptError" or (o and "could not be read by rank" in o[1])
                for o in out), out
     assert any("checksum mismatch" in o[1] and "rank0.safetensors" in o[1] for o in out), out
+
+
+def _one_rank_missing_step(rank, world, root):
+    import nostall
+
+    with nostall.CheckpointManager(root) as mgr:
+        mgr.save(1, _state(rank, world, 1))
+        try:
+            got = mgr.load(_template(rank, world), step=1 if rank == 0 else 99)
+            return "ok", got["step"]
+        except nostall.CheckpointError as e:
+            return type(e).__name__, str(e)
+
+
+def test_a_rank_whose_path_fails_raises_its_own_error_and_the_others_load(pool2: RankPool, tmp_path):
+    out = pool2.run(_one_rank_missing_step, str(tmp_path / "ck"))
+    assert out[0] == ("ok", 1), out
+    assert out[1][0] == "CheckpointNotFoundError" and "step 99" in out[1][1], out

@@ -249,9 +249,9 @@ def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[
              ) -> List[Any]:
     """Rank 0: each rank's share and its part in the transfers, or the error every rank raises."""
     assert index is not None
-    names = {a[0] for a in asks}
+    names = {a[0] for a in asks if not a[2]}  # a rank that failed named nothing it will load
     if len(names) > 1:
-        by = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(asks))
+        by = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(asks) if not a[2])
         err = ("CheckpointLoadError", f"the ranks load different checkpoints ({by}): a load over the group must name "
                "the same checkpoint on every rank")
         return [err] * len(asks)
