@@ -36,6 +36,7 @@ from nostall.loading.peers import Transfer
 from nostall.loading.sources import DataFiles, open_files
 from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
+from nostall.planning.plan import gc_paused
 
 __all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share"]
 
@@ -212,7 +213,8 @@ def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] 
         try:
             if error is not None:
                 raise error
-            full = read_manifest(path, storage_options)
+            with gc_paused():
+                full = read_manifest(path, storage_options)
             index = ManifestIndex(full)
             answer = (None, head_of(full))
         except Exception as e:  # every rank raises it
@@ -256,11 +258,12 @@ def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[
                "the same checkpoint on every rank")
         return [err] * len(asks)
     try:
-        shares = [share_of(index, r, boxes) if not failed else (({}, None), []) for r, (_, boxes, failed)
-                  in enumerate(asks)]
-        plans = (peers.assign([w for _, w in shares], peers.RECEIVE_CAP) if read_once
-                 else [peers.Plan() for _ in shares])
-        return [(share, plan) for (share, _), plan in zip(shares, plans)]
+        with gc_paused():  # millions of records, in no cycle
+            shares = [share_of(index, r, boxes) if not failed else (({}, None), []) for r, (_, boxes, failed)
+                      in enumerate(asks)]
+            plans = (peers.assign([w for _, w in shares], peers.RECEIVE_CAP) if read_once
+                     else [peers.Plan() for _ in shares])
+            return [(share, plan) for (share, _), plan in zip(shares, plans)]
     except Exception as e:  # the others wait for their share: the error must reach them
         err = _error(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
         return [err] * len(asks)

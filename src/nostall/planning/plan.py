@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import bisect
 import gc
+from contextlib import contextmanager
 import hashlib
 import pickle
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 from nostall.core.boxes import box_str, cover_problem
 from nostall.errors import InvalidStateError
@@ -404,19 +405,24 @@ def _owners(metas: Sequence[RankMeta], pieces: List[_Piece]) -> Tuple[List[int],
     return owners, sizes
 
 
-def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
-    """Validate every rank's metadata and assign each distinct piece to one writer.
-
-    The cyclic garbage collector is paused meanwhile: a plan of many ranks creates millions of
-    objects (none in a cycle), and each collection it would trigger walks all of them.
-    """
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: planning many ranks makes millions of objects in no cycle,
+    and each collection they would trigger walks all of them."""
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_plan(metas)
+        yield
     finally:
         if enabled:
             gc.enable()
+
+
+def build_plan(metas: Sequence[RankMeta]) -> SavePlan:
+    """Validate every rank's metadata and assign each distinct piece to one writer (the garbage collector
+    paused meanwhile, :func:`gc_paused`)."""
+    with gc_paused():
+        return _build_plan(metas)
 
 
 def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:

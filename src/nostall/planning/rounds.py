@@ -29,17 +29,15 @@ With one rank, each gather and answer is a plain call (:class:`~nostall.planning
 
 from __future__ import annotations
 
-import gc
 import uuid
 from dataclasses import dataclass, field
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from nostall.errors import CheckpointSaveError, InvalidStateError, describe
 from nostall.planning import replicas
 from nostall.planning.comm import Comm
 from nostall.planning.plan import (RankMeta, RankPlan, SavePlan, build_plan, check_objects, decode_meta, encode_meta,
-                                   own_files, owned_pieces)
+                                   gc_paused, own_files, owned_pieces)
 
 __all__ = ["Report", "Agreed", "Rounds"]
 
@@ -69,19 +67,6 @@ class Agreed:
     plan: Optional[SavePlan] = None  # rank 0
     objects: Dict[str, Any] = field(default_factory=dict)  # rank 0: merged
     per_rank_objects: List[Dict[str, Any]] = field(default_factory=list)  # rank 0: each rank's
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: planning many ranks makes millions of objects in no cycle,
-    and each collection they would trigger walks all of them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def failures(outcomes: Sequence[Optional[str]], what: str, step: Optional[int]) -> Optional[str]:
@@ -190,7 +175,7 @@ class Rounds:
         if failed:
             return [("save", "; ".join(failed))] * len(blobs)
         try:
-            with _gc_paused():
+            with gc_paused():
                 metas = [decode_meta(b) for b in blobs]
                 plan = build_plan(metas)
                 objects = check_objects([r.objects for r in self._reports], plan.tensors)

@@ -37,7 +37,6 @@ The projection (:mod:`nostall.tools.bench.projection`) puts one rank's costs sid
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -52,6 +51,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from nostall.core.format import json_memory_estimate
+from nostall.planning.plan import gc_paused
 from nostall.tools.bench import exchange
 from nostall.tools.bench.common import gather_ranks, median, serve_rank
 from nostall.tools.bench.projection import format_projection, projection
@@ -139,18 +139,6 @@ def _synthetic_manifest(plan: Any, block_size: int) -> Tuple[Dict[str, float], A
     return {"skeleton_s": t_skel, "with_crcs_s": t_crc, "encode_s": t_enc}, raw
 
 
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused, as rank 0 plans (``planning/rounds.py``)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _gathered(meta: Any) -> bytes:
     """What a rank sends rank 0 in the metadata gather: its ``encode_meta`` bytes, pickled by ``Comm.gather``."""
     from nostall.planning.plan import encode_meta
@@ -228,7 +216,7 @@ def _rank0(sent: _Sent, reps: int) -> Tuple[Dict[str, Any], Any, List[Any], List
     from nostall.planning.plan import build_plan, check_objects, decode_meta, own_files, owned_pieces
 
     times: Dict[str, Any] = {}
-    with _gc_paused():
+    with gc_paused():
         t0 = time.perf_counter()
         reports = [pickle.loads(b) for b in sent.reports]
         metas = [decode_meta(pickle.loads(b)) for b in sent.messages]
@@ -244,7 +232,7 @@ def _rank0(sent: _Sent, reps: int) -> Tuple[Dict[str, Any], Any, List[Any], List
     assert plan is not None
     times["plan_s"] = plan_s
     gc.collect()
-    with _gc_paused():
+    with gc_paused():
         times["check_objects_s"], _ = _timed(check_objects, [r.objects for r in reports], plan.tensors)
         t0 = time.perf_counter()
         shared = replicas.shared_keys(metas)

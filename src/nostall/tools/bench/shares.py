@@ -15,6 +15,8 @@ import pickle
 import time
 from typing import Any, Dict, List, Sequence
 
+from nostall.planning.plan import gc_paused
+
 PICKLE = pickle.HIGHEST_PROTOCOL
 
 
@@ -30,9 +32,7 @@ def shared_load_costs(raw: bytes, metas: Sequence[Any], parse_s: float) -> Dict[
         m = fmt.Manifest.from_json_bytes(raw, "synthetic")
     finally:
         fmt.MAX_MANIFEST_MEMORY = cap
-    enabled = gc.isenabled()
-    gc.disable()  # as rank 0's own process would see it: the cut makes no cycles
-    try:
+    with gc_paused():  # as rank 0 runs it
         t0 = time.perf_counter()
         head = pickle.dumps(collective.head_of(m), protocol=PICKLE)
         t_head = time.perf_counter() - t0
@@ -45,9 +45,6 @@ def shared_load_costs(raw: bytes, metas: Sequence[Any], parse_s: float) -> Dict[
         t2 = time.perf_counter()
         blobs = [pickle.dumps((share, plan), protocol=PICKLE) for (share, _), plan in zip(shares, plans)]
         t_cut, t_assign, t_pickle = t1 - t0, t2 - t1, time.perf_counter() - t2
-    finally:
-        if enabled:
-            gc.enable()
     other = min(1, len(metas) - 1)
     gc.freeze()  # a rank's own process holds none of this one's millions of objects: leave them to no collection
     try:
