@@ -141,9 +141,8 @@ class Options:
             object.__setattr__(self, "staging_budget_bytes",
                                self.staging_budget_bytes - self.staging_budget_bytes % mmap.PAGESIZE)
         object.__setattr__(self, "timeout", float(self.timeout))
-        for name in ("shared_loads",):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.shared_loads, bool):
+            raise ValueError(f"shared_loads must be True or False, got {self.shared_loads!r}")
         if self.read_once is not None and not isinstance(self.read_once, bool):
             raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
         if self.check_replicas is not None and not isinstance(self.check_replicas, bool):

@@ -184,3 +184,25 @@ def test_a_rank_whose_path_fails_raises_its_own_error_and_the_others_load(pool2:
     out = pool2.run(_one_rank_missing_step, str(tmp_path / "ck"))
     assert out[0] == ("ok", 1), out
     assert out[1][0] == "CheckpointNotFoundError" and "step 99" in out[1][1], out
+
+
+def _refused_load_releases_files(rank, world, root):
+    import os
+
+    import nostall
+
+    with nostall.CheckpointManager(root, read_once=True) as mgr:
+        mgr.save(1, _state(rank, world, 1))
+        mgr.load(_template(rank, world))  # warm: whatever a first load opens once
+        before = len(os.listdir("/proc/self/fd"))
+        bad = dict(_template(rank, world), extra=torch.zeros(2))  # a key the checkpoint lacks: strict refuses
+        try:
+            mgr.load(bad)
+            return "loaded"
+        except nostall.CheckpointLoadError as e:
+            assert "extra" in str(e), e
+        return len(os.listdir("/proc/self/fd")) - before
+
+
+def test_a_refused_shared_load_closes_its_files(pool2: RankPool, tmp_path):
+    assert pool2.run(_refused_load_releases_files, str(tmp_path / "ck")) == [0, 0]

@@ -294,6 +294,17 @@ def load_state_keys(
     the data files to read through (a shared load's, some bytes received
     from other ranks); closed here. None: opened here.
     """
+    try:
+        return _load_keys(template, path, strict, scope, rank, world_size, verify, per_rank, manifest,
+                          storage_options, timeout, files)
+    finally:
+        if files is not None:  # closed whatever happened (a refused load too): it may hold received bytes
+            files.close()
+
+
+def _load_keys(template: Any, path: str, strict: bool, scope: Optional[Sequence[str]], rank: int, world_size: int,
+               verify: bool, per_rank: str, manifest: Optional[Manifest], storage_options: Optional[Dict[str, Any]],
+               timeout: Optional[float], files: Optional[DataFiles]) -> Tuple[Any, KeyReport]:
     if per_rank not in ("error", "skip"):
         raise ValueError("per_rank must be 'error' or 'skip'")
     m = manifest if manifest is not None else read_manifest(path, storage_options)
