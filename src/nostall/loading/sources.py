@@ -47,6 +47,7 @@ class DataFiles:
         self.open: Dict[str, StoredFile] = {}
         self.bytes_read = 0  # from storage, by :meth:`read`
         self._received: Dict[str, List[Tuple[int, int, memoryview]]] = {}  # file -> (start, end, bytes), by start
+        self._starts: Dict[str, List[int]] = {}  # file -> the starts of ``_received[file]``, in the same order
         self.bytes_received = 0  # served from what other ranks sent
 
     def path(self, name: str) -> str:
@@ -74,9 +75,10 @@ class DataFiles:
         :attr:`bytes_received`), or read here already (to send them to others)."""
         if received:
             self.bytes_received += len(data)
-        ranges = self._received.setdefault(name, [])
-        ranges.append((start, start + len(data), data))
-        ranges.sort(key=lambda x: x[0])
+        starts = self._starts.setdefault(name, [])
+        i = bisect.bisect_right(starts, start)  # after any range of the same start, as kept first
+        starts.insert(i, start)
+        self._received.setdefault(name, []).insert(i, (start, start + len(data), data))
 
     def read(self, name: str, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
         """Exactly ``length`` bytes of ``name`` at ``offset`` (into ``into`` when given): from what was received,
@@ -87,7 +89,7 @@ class DataFiles:
             return self.check(name).read(offset, length, into)
         out = into if into is not None else memoryview(bytearray(length))
         pos, end = offset, offset + length
-        i = max(0, bisect.bisect_right([s for s, _, _ in ranges], pos) - 1)
+        i = max(0, bisect.bisect_right(self._starts[name], pos) - 1)  # the last range starting at or before pos
         while pos < end:
             s, e, data = ranges[i] if i < len(ranges) else (end, end, memoryview(b""))
             if e <= pos:
@@ -104,10 +106,12 @@ class DataFiles:
         return out
 
     def close(self) -> None:
+        """Close every opened file and let go of the bytes kept (:meth:`keep`)."""
         for f in self.open.values():
             f.close()
         self.open.clear()
         self._received.clear()
+        self._starts.clear()
 
 
 def open_files(path: str, m: Manifest, storage_options: Optional[Dict[str, Any]] = None,
