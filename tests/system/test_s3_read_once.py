@@ -129,13 +129,29 @@ def _coverage_problems(served, files, ranges, times):
     return problems
 
 
-def _phase(proxy, label, step_dir):
+def _check_load(proxy, label, out, times, data_bytes, files, ranges, step_dir):
+    """Check the load marked ``label`` (``out``: each rank's ``_load`` result) against what the store served
+    for it: the values loaded, no failed request, the manifest GET once, each data-file byte of a piece GET
+    ``times`` times and nothing else, and the ranks' own counts agreeing (each rank's bytes read and received
+    make the checkpoint's data bytes; the bytes read by the job, ``times`` x them)."""
     served = proxy.between(f"{label}:start", f"{label}:end")
-    by_key = CountingProxy.get_bytes(served)
-    data = {k: n for k, n in by_key.items() if k.endswith(".safetensors")}
+    data = {k: n for k, n in CountingProxy.get_bytes(served).items() if k.endswith(".safetensors")}
     manifest_gets = [s for s in served if s.method == "GET" and s.key == f"{step_dir}/manifest.json"]
     failed = [s for s in served if s.status >= 400]
-    return served, data, manifest_gets, failed
+    log = "\n".join(map(str, served))
+    assert all(o[0] for o in out), f"{label}: loaded values differ from the saved ones: {out}"
+    assert not failed, f"{label}: failed requests during the load:\n{log}"
+    assert set(data) <= set(files), (data, files)
+    assert sum(data.values()) == times * data_bytes, (
+        f"{label}: the store served {sum(data.values())} bytes of data files for the load "
+        f"({sum(data.values()) / data_bytes:.2f}x), not {times}.0x the checkpoint's {data_bytes} data bytes; "
+        f"by file: {data}\n{log}")
+    assert len(manifest_gets) == 1, f"{label}: the manifest was GET {len(manifest_gets)} times, not once:\n{log}"
+    problems = _coverage_problems(served, files, ranges, times)
+    assert not problems, (
+        f"{label}: data-file bytes not served exactly {times} time(s), (file, start, end, times): {problems}\n{log}")
+    assert all(o[1] + o[2] == data_bytes for o in out), out
+    assert sum(o[1] for o in out) == times * data_bytes, out
 
 
 def test_replicas_get_each_stored_byte_once_from_s3(pool2: RankPool, s3, proxy):
@@ -150,36 +166,9 @@ def test_replicas_get_each_stored_byte_once_from_s3(pool2: RankPool, s3, proxy):
     assert data_bytes == model_bytes, (data_bytes, model_bytes)  # each replicated tensor stored once
     assert sum(files.values()) > data_bytes  # the files' safetensors headers: not read by a load
 
-    # default read_once (on for object storage): each stored byte GET once by the job
+    # default read_once (on for object storage): each stored byte GET once by the job, the rest received
     out = pool2.run(_load, root, so, "default", proxy.url, "once", timeout=JOB_TIMEOUT_S)
-    served, data, manifest_gets, failed = _phase(proxy, "once", step_dir)
-    log = "\n".join(map(str, served))
-    assert all(o[0] for o in out), f"loaded values differ from the saved ones: {out}"
-    assert not failed, f"failed requests during the load:\n{log}"
-    assert set(data) <= set(files), (data, files)
-    assert sum(data.values()) == data_bytes, (
-        f"with read_once on, the store served {sum(data.values())} bytes of data files for the load "
-        f"({sum(data.values()) / data_bytes:.2f}x), not 1.0x the checkpoint's {data_bytes} data bytes; "
-        f"by file: {data}\n{log}")
-    assert len(manifest_gets) == 1, f"the manifest was GET {len(manifest_gets)} times in the load, not once:\n{log}"
-    assert not _coverage_problems(served, files, ranges, 1), (
-        f"data-file bytes not served exactly once, (file, start, end, times): "
-        f"{_coverage_problems(served, files, ranges, 1)}\n{log}")
-    # the ranks' own counts agree with the server's: the bytes read split between them, the rest received
-    assert sum(o[1] for o in out) == data_bytes and sum(o[2] for o in out) == data_bytes, out
-
+    _check_load(proxy, "once", out, 1, data_bytes, files, ranges, step_dir)
     # read_once=False: each replica reads every byte for itself
     out = pool2.run(_load, root, so, False, proxy.url, "each", timeout=JOB_TIMEOUT_S)
-    served, data, manifest_gets, failed = _phase(proxy, "each", step_dir)
-    log = "\n".join(map(str, served))
-    assert all(o[0] for o in out), f"loaded values differ from the saved ones: {out}"
-    assert not failed, f"failed requests during the load:\n{log}"
-    assert sum(data.values()) == 2 * data_bytes, (
-        f"with read_once=False, the store served {sum(data.values())} bytes of data files for the load "
-        f"({sum(data.values()) / data_bytes:.2f}x), not 2.0x the checkpoint's {data_bytes} data bytes; "
-        f"by file: {data}\n{log}")
-    assert len(manifest_gets) == 1, f"the manifest was GET {len(manifest_gets)} times in the load, not once:\n{log}"
-    assert not _coverage_problems(served, files, ranges, 2), (
-        f"data-file bytes not served exactly twice, (file, start, end, times): "
-        f"{_coverage_problems(served, files, ranges, 2)}\n{log}")
-    assert all(o[1] == data_bytes and o[2] == 0 for o in out), out
+    _check_load(proxy, "each", out, 2, data_bytes, files, ranges, step_dir)
