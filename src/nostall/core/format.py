@@ -7,12 +7,15 @@ import torch (the background writer process uses it).
 
 from __future__ import annotations
 
+import gc
 import json
+import math
 import re
+from contextlib import contextmanager
 import struct
 from operator import itemgetter
 from dataclasses import dataclass, field, replace
-from typing import Callable, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
@@ -285,6 +288,22 @@ def parse_file_header(raw: bytes, path: str) -> Tuple[Dict[str, Any], int]:
 
 # --------------------------------------------------------------------------- manifest
 
+_new = object.__new__
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: parsing a manifest or planning many ranks makes millions of
+    objects in no cycle, and each collection they would trigger walks all of them."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 
 @dataclass(frozen=True)
 class PieceRecord:
@@ -478,6 +497,11 @@ class Manifest:
     @classmethod
     def from_json_bytes(cls, raw: bytes, path: str) -> "Manifest":
         check_json_cost(raw, path, "manifest")
+        with gc_paused():  # millions of objects in no cycle: collections would walk them again and again
+            return cls._parse(raw, path)
+
+    @classmethod
+    def _parse(cls, raw: bytes, path: str) -> "Manifest":
         try:
             doc = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -506,10 +530,11 @@ class Manifest:
         references = _references_section(doc, path, step)
         world_size = _int(doc["world_size"], "world_size")
         per_rank = []
+        seen: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
         for i, r in enumerate(_list(doc["per_rank"], "per_rank")):
             r = _obj(r, f"per_rank[{i}]")
             per_rank.append(RankRecord(
-                {k: _tensor_rec(k, t) for k, t in _obj(r["tensors"], f"per_rank[{i}].tensors").items()},
+                {k: _tensor_rec(k, t, seen) for k, t in _obj(r["tensors"], f"per_rank[{i}].tensors").items()},
                 _obj(r["objects"], f"per_rank[{i}].objects"),
             ))
         side = _side_files_section(doc, path, files)
@@ -518,7 +543,7 @@ class Manifest:
             world_size=world_size,
             block_size=block_size,
             files=files,
-            tensors={k: _tensor_rec(k, t) for k, t in _obj(doc["tensors"], "tensors").items()},
+            tensors={k: _tensor_rec(k, t, seen) for k, t in _obj(doc["tensors"], "tensors").items()},
             objects=_obj(doc["objects"], "objects"),
             per_rank=tuple(per_rank),
             version=version,
@@ -534,27 +559,31 @@ class Manifest:
                 f"{path}: per_rank has {len(self.per_rank)} entries, world_size {self.world_size}"
             )
         recs = list(self.tensors.values()) + [t for r in self.per_rank for t in r.tensors.values()]
+        files = self.all_files()
+        sizes: Dict[Shape, int] = {}  # elements per piece shape
         for t in recs:
             isz = itemsize(t.dtype)
             if any(g < 0 for g in t.shape):
                 raise CheckpointCorruptError(f"{path}: key {t.key!r}: negative dimension in shape {list(t.shape)}")
-            files = self.all_files()
+            nd, block = len(t.shape), self.block_size
             for p in t.pieces:
                 f = files.get(p.file)
                 if f is None:
                     raise CheckpointCorruptError(f"{path}: key {t.key!r} refers to unknown file {p.file!r}")
-                if len(p.offset) != len(t.shape) or len(p.shape) != len(t.shape):
+                if len(p.offset) != nd or len(p.shape) != nd:
                     raise CheckpointCorruptError(f"{path}: key {t.key!r}: piece rank does not match tensor rank")
-                if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(p.offset, p.shape, t.shape)):
-                    raise CheckpointCorruptError(f"{path}: key {t.key!r}: piece {p.offset}+{p.shape} outside {t.shape}")
-                n = 1
-                for s in p.shape:
-                    n *= s
+                for o, s, g in zip(p.offset, p.shape, t.shape):
+                    if o < 0 or s < 0 or o + s > g:
+                        raise CheckpointCorruptError(
+                            f"{path}: key {t.key!r}: piece {p.offset}+{p.shape} outside {t.shape}")
+                n = sizes.get(p.shape)
+                if n is None:
+                    n = sizes[p.shape] = math.prod(p.shape)
                 if p.end - p.start != n * isz or p.start < 0 or p.end > f.size:
                     raise CheckpointCorruptError(
                         f"{path}: key {t.key!r}: byte range [{p.start}, {p.end}) of {p.file} is inconsistent"
                     )
-                if len(p.crc32c) != -(-(p.end - p.start) // self.block_size):
+                if len(p.crc32c) != -(-(p.end - p.start) // block):
                     raise CheckpointCorruptError(f"{path}: key {t.key!r}: wrong number of checksums")
             boxes = [(p.offset, p.shape) for p in t.pieces]
             problem = None if quick_tiles(t.shape, boxes) else cover_problem(t.shape, boxes)
@@ -709,7 +738,25 @@ def _int(x: Any, what: str) -> int:
 
 
 def _ints(x: Any, what: str) -> Tuple[int, ...]:
-    return tuple(_int(v, what) for v in _list(x, what))
+    if type(x) is not list:
+        raise TypeError(f"{what!r} must be a JSON array, not {_json_type(x)}")
+    t = tuple(x)
+    for v in t:
+        if type(v) is not int:
+            raise TypeError(f"{what!r} must be an integer, not {_json_type(v)}")
+    return t
+
+
+def _box_ints(x: Any, key: str, field: str, seen: Dict[Tuple[int, ...], Tuple[int, ...]]) -> Tuple[int, ...]:
+    """:func:`_ints` for a shape or offset, one tuple kept per distinct value (``seen``): a manifest repeats
+    a few shapes over millions of pieces."""
+    if type(x) is not list:
+        raise TypeError(f"'{key}: {field}' must be a JSON array, not {_json_type(x)}")
+    t = tuple(x)
+    for v in t:
+        if type(v) is not int:
+            raise TypeError(f"'{key}: {field}' must be an integer, not {_json_type(v)}")
+    return seen.setdefault(t, t)
 
 
 def _json_type(x: Any) -> str:
@@ -718,28 +765,28 @@ def _json_type(x: Any) -> str:
     return names.get(type(x), type(x).__name__)
 
 
-def _tensor_rec(key: str, t: Any) -> TensorRecord:
+def _tensor_rec(key: str, t: Any, seen: Dict[Tuple[int, ...], Tuple[int, ...]]) -> TensorRecord:
+    """The record of ``key`` in a parsed manifest, every field checked (``seen``: see :func:`_box_ints`)."""
     t = _obj(t, f"tensor {key}")
     pieces = []
     for p in _list(t["pieces"], f"{key}: pieces"):
-        p = _obj(p, f"{key}: piece")
-        byte_range = _ints(p["byte_range"], f"{key}: byte_range")
-        if len(byte_range) != 2:
+        if type(p) is not dict:
+            raise TypeError(f"'{key}: piece' must be a JSON object, not {_json_type(p)}")
+        byte_range = p["byte_range"]
+        if type(byte_range) is not list or len(byte_range) != 2:
+            byte_range = _ints(byte_range, f"{key}: byte_range")
             raise ValueError(f"{key!r}: byte_range must hold 2 integers, not {len(byte_range)}")
+        start, end = byte_range
+        if type(start) is not int or type(end) is not int:
+            _ints(byte_range, f"{key}: byte_range")
         file = p["file"]
-        if not isinstance(file, str):
+        if type(file) is not str:
             raise TypeError(f"{key!r}: file must be a string, not {_json_type(file)}")
-        pieces.append(
-            PieceRecord(
-                offset=_ints(p["offset"], f"{key}: offset"),
-                shape=_ints(p["shape"], f"{key}: shape"),
-                file=file,
-                start=byte_range[0],
-                end=byte_range[1],
-                crc32c=_ints(p["crc32c"], f"{key}: crc32c"),
-                digest=_digest(p.get("xxh3_128", ""), key),
-            )
-        )
+        rec = _new(PieceRecord)  # PieceRecord(...) without the frozen dataclass's per-field setattr
+        rec.__dict__.update(offset=_box_ints(p["offset"], key, "offset", seen),
+                            shape=_box_ints(p["shape"], key, "shape", seen), file=file, start=start, end=end,
+                            crc32c=_ints(p["crc32c"], f"{key}: crc32c"), digest=_digest(p.get("xxh3_128", ""), key))
+        pieces.append(rec)
     code = t["dtype"]
     if not isinstance(code, str):
         raise TypeError(f"{key!r}: dtype must be a string, not {_json_type(code)}")
@@ -751,11 +798,13 @@ def _tensor_rec(key: str, t: Any) -> TensorRecord:
     if not isinstance(tied_to, str) or ("tied_to" in t and not tied_to):
         what = "an empty string" if tied_to == "" else _json_type(tied_to)
         raise TypeError(f"{key!r}: tied_to must be a non-empty string (a key), not {what}")
-    return TensorRecord(key, code, _ints(t["shape"], f"{key}: shape"), sharded, tuple(pieces), tied_to)
+    return TensorRecord(key, code, _box_ints(t["shape"], key, "shape", seen), sharded, tuple(pieces), tied_to)
 
 
 def _digest(x: Any, key: str) -> str:
-    if not isinstance(x, str) or (x and not _DIGEST.fullmatch(x)):
+    if x == "":
+        return ""
+    if not isinstance(x, str) or not _DIGEST.fullmatch(x):
         raise ValueError(f"{key!r}: xxh3_128 must be 32 lowercase hex digits")
     return x
 

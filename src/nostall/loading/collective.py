@@ -36,7 +36,7 @@ from nostall.loading.peers import Transfer
 from nostall.loading.sources import DataFiles, open_files
 from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
-from nostall.planning.plan import gc_paused
+from nostall.core.format import gc_paused
 
 __all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share"]
 

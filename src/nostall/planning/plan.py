@@ -20,18 +20,16 @@ Rules:
 from __future__ import annotations
 
 import bisect
-import gc
-from contextlib import contextmanager
 import hashlib
 import pickle
 from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 from nostall.core.boxes import box_str, cover_problem
 from nostall.errors import InvalidStateError
 from nostall.core.dtypes import dtype_code
-from nostall.core.format import data_file_name, itemsize, layout_entries, quick_tiles
+from nostall.core.format import data_file_name, gc_paused, itemsize, layout_entries, quick_tiles
 from nostall.core.model import FlatState, numel
 
 Shape = Tuple[int, ...]
@@ -403,19 +401,6 @@ def _owners(metas: Sequence[RankMeta], pieces: List[_Piece]) -> Tuple[List[int],
         owners[idx] = owner
         load[owner] -= neg
     return owners, sizes
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: planning many ranks makes millions of objects in no cycle,
-    and each collection they would trigger walks all of them."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def build_plan(metas: Sequence[RankMeta]) -> SavePlan:

@@ -36,8 +36,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from nostall.errors import CheckpointSaveError, InvalidStateError, describe
 from nostall.planning import replicas
 from nostall.planning.comm import Comm
+from nostall.core.format import gc_paused
 from nostall.planning.plan import (RankMeta, RankPlan, SavePlan, build_plan, check_objects, decode_meta, encode_meta,
-                                   gc_paused, own_files, owned_pieces)
+                                   own_files, owned_pieces)
 
 __all__ = ["Report", "Agreed", "Rounds"]
 

@@ -51,7 +51,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 from nostall.core.format import json_memory_estimate
-from nostall.planning.plan import gc_paused
+from nostall.core.format import gc_paused
 from nostall.tools.bench import exchange
 from nostall.tools.bench.common import gather_ranks, median, serve_rank
 from nostall.tools.bench.projection import format_projection, projection

@@ -15,7 +15,7 @@ import pickle
 import time
 from typing import Any, Dict, List, Sequence
 
-from nostall.planning.plan import gc_paused
+from nostall.core.format import gc_paused
 
 PICKLE = pickle.HIGHEST_PROTOCOL
 
