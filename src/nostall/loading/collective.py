@@ -8,8 +8,8 @@ group (``CheckpointManager.load``) instead runs two exchanges
 
 1. **head** (broadcast from rank 0, which read the manifest): every key's
    record without its pieces, the objects, the files, every rank's per-rank
-   keys without their pieces: what a rank builds and checks its template
-   against (:func:`head_of`);
+   keys (without pieces or values; ranks with alike keys share one record):
+   what a rank builds and checks its template against (:func:`head_of`);
 2. **share** (a gather to rank 0 and a scatter): each rank sends the boxes its
    template loads (:func:`~nostall.loading.reader.template_boxes`); rank 0
    answers with the pieces that overlap them and the rank's own per-rank
@@ -54,10 +54,18 @@ def _bare(t: TensorRecord) -> TensorRecord:
 
 
 def head_of(m: Manifest) -> Manifest:
-    """``m`` without any piece: what every rank needs of it whatever it loads."""
+    """``m`` without any piece, and each rank's per-rank record as its keys alone (its tensors bare, its objects'
+    values None: a rank gets its own record whole in its share): what every rank needs of it whatever it loads.
+    Ranks whose per-rank keys are alike share one record, so the head does not grow with the job."""
+    alike: Dict[Any, RankRecord] = {}
+
+    def keys_of(r: RankRecord) -> RankRecord:
+        tensors = {k: _bare(t) for k, t in r.tensors.items()}
+        sig = (tuple((k, t.dtype, t.shape, t.sharded) for k, t in tensors.items()), tuple(r.objects))
+        return alike.setdefault(sig, RankRecord(tensors, dict.fromkeys(r.objects)))
+
     return replace(m, tensors={k: _bare(t) for k, t in m.tensors.items()},
-                   per_rank=tuple(RankRecord({k: _bare(t) for k, t in r.tensors.items()}, r.objects)
-                                  for r in m.per_rank))
+                   per_rank=tuple(keys_of(r) for r in m.per_rank))
 
 
 class ManifestIndex:
