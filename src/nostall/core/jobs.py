@@ -15,12 +15,14 @@ op             direction    meaning
 =============  ===========  ==================================================
 ATTACH         to writer    map the staging area (its fd follows); ``size``
 SAVE           to writer    run ``job``
-CHUNK          to writer    chunk ``index`` of the job in flight: ``segments``
+CHUNK          to writer    chunk ``index`` of the job in flight: ``segments``; of a
+                            streamed job, ``size``: the area is staged up to there
 CHUNK_ABORT    to writer    staging failed part-way: ``text`` says why
 WARM           to writer    get ready to write to ``root`` (object storage: its client), off any deadline
 PING / STOP    to writer    liveness / exit after answering
 ATTACHED       to trainer   the area of ``size`` bytes is mapped
 CHUNK_DONE     to trainer   chunk ``index`` is written: its half may be reused
+                            (never for a streamed job: nothing is reused)
 RESULT         to trainer   the job's :class:`JobResult`
 PONG/STOPPED   to trainer   answers to PING / STOP
 =============  ===========  ==================================================
@@ -125,6 +127,7 @@ class SaveJob:
     manifest: Optional[Manifest] = None
     faults: Faults = field(default_factory=Faults)
     chunked: bool = False  # the files' bytes come chunk by chunk after the job
+    streamed: bool = False  # chunked, the files lying whole in the area: each CHUNK says how far it is staged
     side_files: Tuple[Tuple[str, bytes], ...] = ()  # rank 0: small files committed with the checkpoint
     max_write_rate: Optional[float] = None  # bytes/s cap on this rank's writes (Options.max_write_rate)
     drop_records: Optional[Destination] = None  # rank 0: the previous async save, whose records it drops first

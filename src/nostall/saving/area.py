@@ -15,6 +15,11 @@ Under a host-memory budget the area holds two halves of at most half the
 budget each, and the rank's file images go through them in *chunks*
 (:func:`cut_chunks`): the trainer copies chunk k+1 into one half while the
 writer writes chunk k from the other.
+
+An overlapped copy (the area holding every file image) is *streamed*: its
+items are copied in area order, in chunks of about 1/:data:`STREAM_CHUNKS` of
+the area (:func:`stream_chunks`), and after each chunk the writer learns how
+far the area is staged, so that it writes while the copy goes on.
 """
 
 from __future__ import annotations
@@ -108,6 +113,62 @@ def cut_chunks(files: Sequence[FilePlan], capacity: int, block_size: int) -> Lis
     return [c for c in chunks if c]
 
 
+STREAM_CHUNKS = 64
+"""A streamed copy goes in about this many chunks: the first write waits for 1/64 of the copy, and the messages
+(tens of bytes each) always fit in the socket's buffer, so the copy never waits for the writer."""
+
+
+@dataclass
+class StreamChunk:
+    """One chunk of a streamed copy: byte ranges of pieces to copy, and how far the area is staged after them.
+
+    ``copies``: (area offset, item, first, last): bytes [first, last) of the
+    item's piece, copied to that offset. ``upto``: every byte of the area
+    below it is staged once these are copied (what the writer is told).
+    """
+
+    copies: List[Tuple[int, WriteItem, int, int]]
+    upto: int
+
+
+def stream_chunks(todo: Sequence[Tuple[int, WriteItem]], total: int, block_size: int,
+                  whole_pieces: bool = False) -> List[StreamChunk]:
+    """Cut the pieces still to copy (``todo``: (area offset of the piece, item), in area order) into chunks.
+
+    A chunk holds about ``total`` / :data:`STREAM_CHUNKS` bytes (at least a
+    block); a piece is cut only at multiples of ``block_size`` from its start
+    (the writer's block checksums come out as for a whole piece), and never
+    when ``whole_pieces`` (an incremental save: the writer decides on a whole
+    piece before writing it). The last chunk's ``upto`` is ``total``. No
+    pieces: no chunks.
+    """
+    size = max(block_size, -(-total // STREAM_CHUNKS // block_size) * block_size)
+    chunks: List[StreamChunk] = []
+    cur: List[Tuple[int, WriteItem, int, int]] = []
+    used = 0
+    for pos, item in todo:
+        n, first = item.end - item.start, 0
+        while first < n:
+            take = n - first
+            if not whole_pieces and take > size - used:
+                take = (size - used) // block_size * block_size
+                if take == 0:  # the room left is less than a block: the chunk is full
+                    chunks.append(StreamChunk(cur, pos + first))
+                    cur, used = [], 0
+                    continue
+            cur.append((pos + first, item, first, first + take))
+            used += take
+            first += take
+            if used >= size:
+                chunks.append(StreamChunk(cur, pos + first))
+                cur, used = [], 0
+    if cur:
+        chunks.append(StreamChunk(cur, total))
+    elif chunks:
+        chunks[-1].upto = total
+    return chunks
+
+
 def _copy_elements(src: torch.Tensor, first: int, last: int, dst: torch.Tensor, non_blocking: bool) -> None:
     """Copy elements [first, last) of ``src`` in row-major order into the 1-D ``dst``, any strides, no temporaries."""
     if first >= last:
@@ -197,13 +258,13 @@ class StagingArea:
         self._pinned = True
 
     def stage(self, files: Sequence[FilePlan], source: Callable[[WriteItem], torch.Tensor],
-              now: Optional[Callable[[WriteItem], bool]] = None, cap: Optional[int] = None,
-              ) -> Tuple[Tuple[FileJob, ...], Callable[[], None]]:
+              now: Optional[Callable[[WriteItem], bool]] = None, cap: Optional[int] = None, block_size: int = 1,
+              whole_pieces: bool = False) -> Tuple[Tuple[FileJob, ...], List[StreamChunk]]:
         """Copy the file images of ``files`` into the area: (where each lies, the rest of the copy).
 
         Headers and the items ``now`` selects (all of them when ``now`` is
-        None) are copied before this returns; the returned function copies the
-        others (the overlap thread runs it).
+        None) are copied before this returns; the others are left in chunks
+        (:func:`stream_chunks`) for the overlap thread (:meth:`copy_chunk`).
         """
         offsets, total = layout(files)
         self.ensure(total, cap)
@@ -216,7 +277,15 @@ class StagingArea:
         first = [t for t in todo if now is None or now(t[1])]
         rest = [t for t in todo if now is not None and not now(t[1])]
         self._copy_items(first, source)
-        return jobs, lambda: self._copy_items(rest, source)
+        return jobs, stream_chunks(rest, total, block_size, whole_pieces)
+
+    def copy_chunk(self, chunk: StreamChunk, source: Callable[[WriteItem], torch.Tensor]) -> None:
+        """Copy one chunk of a streamed copy into place; its bytes are in host memory when this returns."""
+        area = self.tensor
+        copier = _Copier(self)
+        for pos, item, first, last in chunk.copies:
+            copier.copy(source(item), item.key, first, last, item.end - item.start, area[pos : pos + last - first])
+        copier.finish()
 
     def _copy_items(self, todo: Sequence[Tuple[int, WriteItem]], source: Callable[[WriteItem], torch.Tensor]) -> None:
         area = self.tensor

@@ -196,6 +196,11 @@ class BackgroundWriter:
         assert self._conn is not None
         self._conn.send(Msg(Op.CHUNK, index=index, segments=segments))
 
+    def send_staged(self, index: int, upto: int) -> None:
+        """A streamed job: chunk ``index`` is staged, and with it every byte of the area below ``upto``."""
+        assert self._conn is not None
+        self._conn.send(Msg(Op.CHUNK, index=index, size=upto))
+
     def abort_chunks(self, why: str) -> None:
         """Staging failed part-way: the writer fails the job instead of waiting for chunks."""
         try:

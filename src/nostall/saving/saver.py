@@ -18,7 +18,8 @@ the file images into the staging area (the rank's shared host memory,
 
 :class:`HostCopy` holds the three ways of copying (docs/overlap.md), each a
 method: :meth:`~HostCopy.whole` (all of it before ``save()`` returns, or in a
-thread while training goes on: *overlapped*), :meth:`~HostCopy.chunked` (a
+thread while training goes on: *overlapped*, the job handed over first and
+the writer writing each chunk as it is staged), :meth:`~HostCopy.chunked` (a
 state larger than the host-memory budget goes through the area in chunks
 that the writer writes as they come), and :meth:`~HostCopy.fail`, the
 failure path shared by all three.
@@ -186,27 +187,46 @@ class HostCopy:
         return source_tensor(self.pending.prepared.flat, item)
 
     def whole(self, now: Optional[Callable[[WriteItem], bool]]) -> Optional[Callable[[], None]]:
-        """Copy the headers and the items ``now`` selects (all when None); returns the rest of the
-        work (copy the others, hand the job over), or None when it failed."""
+        """Copy the headers and the items ``now`` selects (all when None); returns the rest of the work,
+        or None when it failed.
+
+        The rest, when items are left (overlapped): hand the job over first, then copy the others chunk by
+        chunk in area order, telling the writer after each how far the area is staged (a *streamed* job):
+        the write starts with the first chunk. Otherwise: hand the job over.
+        """
         job, area = self.pending.job, self.writer.area
         try:
             area.record_fences([self.source(i) for f in self.files for i in f.items])
-            jobs, rest = area.stage(self.files, self.source, now, cap=self.budget)
+            jobs, rest = area.stage(self.files, self.source, now, cap=self.budget, block_size=job.block_size,
+                                    whole_pieces=job.incremental)
         except BaseException as e:
             self.fail(e)
             return None
         job.files = jobs
+        job.chunked = job.streamed = bool(rest)
         self.pending.staging_bytes = area.size
 
         def finish() -> None:
+            submitted = False
             try:
-                if self.faults.stage_delay_s:  # (a sleep of 0 still hands the GIL to any other thread)
-                    time.sleep(self.faults.stage_delay_s)
-                rest()
-                crash_point("staged", job.step)
+                if not rest:
+                    if self.faults.stage_delay_s:  # (a sleep of 0 still hands the GIL to any other thread)
+                        time.sleep(self.faults.stage_delay_s)
+                    crash_point("staged", job.step)
                 self.writer.submit(job)
+                submitted = True
+                for k, chunk in enumerate(rest):
+                    if self.faults.stage_delay_s:
+                        time.sleep(self.faults.stage_delay_s)
+                    area.copy_chunk(chunk, self.source)
+                    self.writer.send_staged(k, chunk.upto)
+                if rest:
+                    crash_point("staged", job.step)
             except BaseException as e:
-                self.fail(e)
+                if submitted:
+                    self.abort(e)
+                else:
+                    self.fail(e)
             finally:
                 self.pending.stage_s = time.perf_counter() - self.t0
 
@@ -236,15 +256,22 @@ class HostCopy:
                 writer.send_chunk(k, area.stage_chunk(cuts, k % 2, self.files, self.source))
             crash_point("staged", job.step)
         except BaseException as e:
-            if submitted:  # the writer fails the job and reports, as for a failed write
-                log.error("rank %d: staging step %s failed: %s", job.rank, job.step, describe(e))
-                writer.abort_chunks(f"rank {job.rank}: {describe(e)}")
-                if not isinstance(e, Exception):
-                    raise
+            if submitted:
+                self.abort(e)
             else:
                 self.fail(e)
         finally:
             self.pending.stage_s = time.perf_counter() - self.t0
+
+    def abort(self, e: BaseException) -> None:
+        """The copy failed after the job was handed over (chunked or streamed): the writer fails the job and
+        reports, as for a failed write (a writer that died is noticed by the wait for its result).
+        SystemExit and KeyboardInterrupt are let through."""
+        job = self.pending.job
+        log.error("rank %d: staging step %s failed: %s", job.rank, job.step, describe(e))
+        self.writer.abort_chunks(f"rank {job.rank}: {describe(e)}")
+        if not isinstance(e, Exception):
+            raise e
 
     def fail(self, e: BaseException) -> None:
         """Nothing reached the writer: record the failure so that no rank waits for this one.

@@ -6,6 +6,10 @@ save job with the same routine a synchronous save runs inline
 (:func:`nostall.saving.commit.run_job`), its bytes read from the area (whole, or
 chunk by chunk under a host-memory budget, :func:`write_chunked`) and the
 ranks meeting through records on the root. Messages are :class:`~nostall.core.jobs.Msg`.
+An overlapped save's job is *streamed* (``SaveJob.streamed``): its files lie
+whole in the area, and the trainer's copy thread says, chunk by chunk, how far
+the area is staged (:func:`stream_segments`): the write starts with the first
+chunk, through the same chunked path.
 
 Rank 0's job carries the manifest to commit, whose bulk (the tensor records)
 is the same for every save of one plan: it travels apart from the job
@@ -70,12 +74,14 @@ def from_area(area: memoryview) -> Writer:
     return write_files(source)
 
 
-def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
-    """Write a job whose bytes arrive chunk by chunk (a host-memory budget).
+def write_chunked(area: memoryview, feed: ChunkFeed, release: bool = True) -> Writer:
+    """Write a job whose bytes arrive chunk by chunk (a host-memory budget, or a streamed job).
 
     Segments come in file order, each within a file's header or one piece. A
     chunk is released (its half of the area reused by the trainer) once
-    every segment of it is written and checksummed.
+    every segment of it is written and checksummed; ``release`` False (a
+    streamed job, whose area is not reused before the job ends): the
+    checksums of a chunk may still run when the next one is asked for.
     """
 
     def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
@@ -85,7 +91,8 @@ def write_chunked(area: memoryview, feed: ChunkFeed) -> Writer:
 
             def segments() -> Iterator[Segment]:
                 while True:
-                    sums.drain()  # the chunk's bytes are checksummed before its half is handed back
+                    if release:
+                        sums.drain()  # the chunk's bytes are checksummed before its half is handed back
                     chunk = feed()
                     if chunk is None:
                         return
@@ -147,6 +154,18 @@ def _log_like_the_trainer() -> None:
     logger.propagate = False
 
 
+def _next_chunk(conn: Any, deadline: float, last: int) -> Msg:
+    """The trainer's next CHUNK message (bounded by ``deadline``); a CHUNK_ABORT raises."""
+    if not conn.poll(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"no staged chunk from the trainer after chunk {last}")
+    msg: Msg = conn.recv()
+    if msg.op is Op.CHUNK_ABORT:
+        raise CheckpointSaveError(f"the trainer stopped staging: {msg.text}")
+    if msg.op is not Op.CHUNK:
+        raise RuntimeError(f"expected a staged chunk from the trainer, got {msg.op}")
+    return msg
+
+
 def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
     """Chunks of the job in progress, from the trainer (CHUNK or CHUNK_ABORT messages)."""
     last = [-1]
@@ -154,15 +173,66 @@ def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
     def feed() -> Optional[List[Segment]]:
         if last[0] >= 0:
             conn.send(Msg(Op.CHUNK_DONE, index=last[0]))  # its half of the area may be reused
-        if not conn.poll(max(0.0, deadline - time.monotonic())):
-            raise TimeoutError(f"no staged chunk from the trainer after chunk {last[0]}")
-        msg: Msg = conn.recv()
-        if msg.op is Op.CHUNK_ABORT:
-            raise CheckpointSaveError(f"the trainer stopped staging: {msg.text}")
-        if msg.op is not Op.CHUNK:
-            raise RuntimeError(f"expected a staged chunk from the trainer, got {msg.op}")
+        msg = _next_chunk(conn, deadline, last[0])
         last[0] = msg.index
         return msg.segments
+
+    return feed
+
+
+def _area_segments(files: List[FileJob]) -> Iterator[Tuple[Segment, int]]:
+    """Every header and non-empty piece of a job whose files lie whole in the area, in area order, each with
+    where its piece starts (-1: a header)."""
+    for fi, f in enumerate(files):
+        yield Segment(fi, 0, f.header_size, f.area_offset), -1
+        for start, end in f.pieces:
+            if end > start:
+                yield Segment(fi, start, end, f.area_offset + start), start
+
+
+def stream_segments(job: SaveJob) -> Callable[[int], List[Segment]]:
+    """For a streamed job: the segments newly staged once the area is staged up to a given offset.
+
+    The trainer stages in area order and says how far it got; a piece it
+    has staged part of is cut there, which must be a checksum-block boundary
+    of the piece (else the block checksums would not be a whole save's), and
+    a header is never cut.
+    """
+    todo = _area_segments(list(job.files))
+    held: List[Tuple[Segment, int]] = []  # the rest of the segment the last offset fell inside
+
+    def upto(offset: int) -> List[Segment]:
+        out: List[Segment] = []
+        while True:
+            seg, piece = held.pop() if held else next(todo, (None, 0))
+            if seg is None:
+                return out
+            if seg.area_offset >= offset:
+                held.append((seg, piece))
+                return out
+            if seg.area_offset + seg.end - seg.start <= offset:
+                out.append(seg)
+                continue
+            cut = seg.start + offset - seg.area_offset
+            if piece < 0 or (cut - piece) % job.block_size:
+                raise RuntimeError(f"{job.files[seg.file].name}: the trainer staged up to byte {cut}, "
+                                   "inside its header or off a checksum-block boundary of a piece")
+            out.append(Segment(seg.file, seg.start, cut, seg.area_offset))
+            held.append((Segment(seg.file, cut, seg.end, offset), piece))
+            return out
+
+    return upto
+
+
+def _stream_feed(conn: Any, job: SaveJob, deadline: float) -> ChunkFeed:
+    """Chunks of a streamed job: each CHUNK message says how far the area is staged (``size``)."""
+    segments = stream_segments(job)
+    last = [-1]
+
+    def feed() -> Optional[List[Segment]]:
+        msg = _next_chunk(conn, deadline, last[0])
+        last[0] = msg.index
+        return segments(msg.size)
 
     return feed
 
@@ -248,8 +318,10 @@ class _Server:
             except CheckpointSaveError as e:
                 self.conn.send(Msg(Op.RESULT, result=JobResult(job.save_id, False, f"rank {job.rank}: {e}")))
                 return
-        write = (write_chunked(self.view, _chunk_feed(self.conn, time.monotonic() + job.timeout))
-                 if job.chunked else from_area(self.view))
+        deadline = time.monotonic() + job.timeout
+        write = (write_chunked(self.view, _stream_feed(self.conn, job, deadline), release=False) if job.streamed
+                 else write_chunked(self.view, _chunk_feed(self.conn, deadline)) if job.chunked
+                 else from_area(self.view))
         later: List[Callable[[], None]] = []
         result = run_job(job, write, RecordBarrier(), self.history, later)
         self.conn.send(Msg(Op.RESULT, result=result))
