@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from nostall.planning.comm import Comm, make_comm
 from nostall.core.faults import Faults
@@ -31,9 +32,65 @@ log = logging.getLogger("nostall")
 __all__ = ["CheckpointManager"]
 
 
-def _sigterm_to_exit(signum: int, frame: Any) -> None:
-    """SIGTERM handler: unwind and exit normally, so that atexit drains pending saves."""
-    raise SystemExit(128 + signum)
+class _Preemption:
+    """One manager's handler of its preemption signal (``Options.preemption_signal``).
+
+    Async-signal-safe in the Python sense: a call only stores a time and a
+    flag in plain attributes, then forwards the signal (to the handler it
+    replaced, or as a normal exit); it takes no lock, logs nothing, and never
+    waits. Python runs it in the main thread, between two bytecodes, so the
+    main thread's ``shield`` depth it reads is consistent: while the main
+    thread is inside a manager call that must not be cut (a save, a
+    finalize, a close), the forwarding is deferred until that call returns.
+    It holds no reference to its manager (a dropped manager is collected as
+    before); once its manager closed it is inactive and only forwards, with
+    the signal's default action (a normal exit) where it replaced that.
+    """
+
+    def __init__(self, signum: int, previous: Any, exit: bool) -> None:
+        self.signum = signum
+        self.previous = previous  # what it replaced: SIG_DFL or a Python callable (a user's, another manager's)
+        self.exit = exit  # exit_on_preemption: forwarding SIG_DFL raises SystemExit
+        self.at: Optional[float] = None  # time.monotonic() of the first signal
+        self.active = True  # False once its manager closed (or was collected)
+        self.shield = 0  # depth of uncut manager calls in the main thread
+        self.due: Optional[bool] = None  # a deferred forward: whether the manager was active at the signal
+        self.main = threading.main_thread().ident
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.at is None:
+            self.at = time.monotonic()
+        if self.shield and self.active:
+            self.due = True
+            return
+        self.forward(signum, frame, self.active)
+
+    def forward(self, signum: int, frame: Any, active: bool) -> None:
+        """The signal's effect besides the flag: the replaced handler's, or (for SIG_DFL) a normal exit when
+        asked (``exit``) or once the manager is closed."""
+        previous = self.previous
+        if callable(previous):
+            previous(signum, frame)
+        elif self.exit or not active:
+            raise SystemExit(128 + signum)
+
+    def deactivate(self) -> None:
+        self.active = False
+
+    @contextlib.contextmanager
+    def shielded(self) -> Iterator[None]:
+        """A manager call the signal must not cut (main thread only): its forward waits until it returns."""
+        if threading.get_ident() != self.main:
+            yield
+            return
+        self.shield += 1
+        try:
+            yield
+        finally:
+            self.shield -= 1
+            if not self.shield and self.due is not None:
+                active, self.due = self.due, None
+                self.forward(self.signum, None, active)
 
 
 def _training(state: Any, model: Any, optimizer: Any, scheduler: Any, rng: bool, extra: Any,
@@ -100,7 +157,7 @@ class CheckpointManager:
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
         check_replicas, max_write_rate, incremental, full_every, shared_loads,
-        read_once: the
+        read_once, preemption_signal, grace_s, exit_on_preemption: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`. Each may be passed as a keyword
             argument, or all of them as ``options=``; a setting given both
@@ -120,7 +177,9 @@ class CheckpointManager:
             in chunks, and ``save()`` then blocks until all but the last are
             written; ``fallback_sync`` saves synchronously even when
             ``async_save`` is set; ``incremental`` compares with this
-            manager's previous committed save in its root.
+            manager's previous committed save in its root; once
+            ``preemption_signal`` came, :attr:`preempted` is True, and
+            ``close()`` waits at most the rest of ``grace_s``.
 
     One manager saves to a root at a time: creating a second (not read-only)
     manager on a root that another live manager holds raises
@@ -131,9 +190,11 @@ class CheckpointManager:
     used from a thread other than the one that created it (e.g. saves requested
     by a trainer thread while another thread generates). Collective calls
     (``save``, ``prepare``) must be made in the same order on every rank.
-    What ``save()`` reads may change once it returns. SIGTERM becomes a normal
-    exit (draining the pending save) only for a manager created on the main
-    thread. See docs/integration.md.
+    What ``save()`` reads may change once it returns. The preemption signal
+    (SIGTERM by default) is handled only by a saving manager created on the
+    main thread: there it becomes a normal exit that commits the pending save
+    (or, with ``exit_on_preemption=False``, only :attr:`preempted`). See
+    docs/integration.md and docs/reliability.md ("Preemption").
     """
 
     def __init__(
@@ -158,6 +219,9 @@ class CheckpointManager:
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
         read_once: Union[Optional[bool], NotGiven] = NOT_GIVEN,
+        preemption_signal: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        grace_s: Union[float, NotGiven] = NOT_GIVEN,
+        exit_on_preemption: Union[bool, NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -166,7 +230,8 @@ class CheckpointManager:
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
             max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
-            shared_loads=shared_loads, read_once=read_once,
+            shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
+            exit_on_preemption=exit_on_preemption,
         ), "CheckpointManager()")
         if read_only and options.async_save:
             options = options.but(async_save=False)
@@ -199,7 +264,8 @@ class CheckpointManager:
         self._claim: Optional[Claim] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
         self._writer: Optional[BackgroundWriter] = None
-        self._sigterm_installed = False
+        self._preemption: Optional[_Preemption] = None  # this manager's signal handler, while installed
+        self._preemption_noted = False  # the preemption was logged
 
     def _start(self, process_group: Any) -> None:
         """__init__, phase 2 (collective): the metadata group, the saver, the root's claim, the writer;
@@ -232,10 +298,86 @@ class CheckpointManager:
 
         self._at_exit = at_exit
         atexit.register(at_exit)
-        if self.options.async_save and threading.current_thread() is threading.main_thread():
-            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, _sigterm_to_exit)
-                self._sigterm_installed = True
+        self._install_preemption()
+
+    def _install_preemption(self) -> None:
+        """Handle ``preemption_signal`` (a saving manager on the main thread): a :class:`_Preemption` in front
+        of the handler it finds (chained to it), or none where the signal is ignored or handled outside
+        Python. Inactive handlers of closed managers in the chain are skipped over."""
+        signum = self.options.preemption_signal
+        if signum is None or self.read_only:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.debug("rank %d: the manager is created outside the main thread: it does not handle %s (preempted "
+                      "stays False)", self.rank, signal.Signals(signum).name)
+            return
+        previous = signal.getsignal(signum)
+        while isinstance(previous, _Preemption) and not previous.active:
+            previous = previous.previous
+        if previous is None or previous == signal.SIG_IGN:
+            log.info("rank %d: %s is %s: the manager leaves it so (preempted stays False)", self.rank,
+                     signal.Signals(signum).name, "ignored" if previous is not None else "handled outside Python")
+            return
+        handler = _Preemption(signum, previous, self.options.exit_on_preemption)
+        signal.signal(signum, handler)
+        self._preemption = handler
+        weakref.finalize(self, handler.deactivate)  # a manager collected unclosed: its handler only forwards
+
+    @property
+    def preempted(self) -> bool:
+        """True once this process received the preemption signal (``Options.preemption_signal``) while the
+        manager handled it; never False again. Local to this rank: see :meth:`any_rank_preempted`."""
+        handler = self._preemption
+        return handler is not None and handler.at is not None
+
+    def _grace_left(self) -> Optional[float]:
+        """Seconds left of ``grace_s`` since the preemption signal; None when it did not come."""
+        handler = self._preemption
+        if handler is None or handler.at is None:
+            return None
+        return max(0.0, handler.at + self.options.grace_s - time.monotonic())
+
+    def _shielded(self) -> ContextManager[None]:
+        """A manager call that the preemption signal must not cut (its effect waits until it returns)."""
+        handler = self._preemption
+        return handler.shielded() if handler is not None else contextlib.nullcontext()
+
+    def _note_preemption(self) -> None:
+        """Log the preemption once (never from the signal handler itself)."""
+        left = self._grace_left()
+        if left is None or self._preemption_noted:
+            return
+        self._preemption_noted = True
+        pending = self._pending
+        log.warning("rank %d: preempted (%s received %.1fs ago, grace period %.0fs): %s", self.rank,
+                    signal.Signals(self.options.preemption_signal or 0).name, self.options.grace_s - left,
+                    self.options.grace_s,
+                    f"the pending save of step {pending[1].step} is committed within what is left of it"
+                    if pending is not None else "no save pending")
+
+    def any_rank_preempted(self) -> bool:
+        """Whether the preemption signal reached any rank of the group (a collective call: every rank gets
+        the same answer, so that they stop at the same step).
+
+        A scheduler signals every rank, but not at the same instant: a loop
+        that stops on :attr:`preempted` alone may stop on one rank a step
+        before another, and its last ``save()`` then fails on every rank
+        (the ranks disagree on the step). Call this every few steps instead::
+
+            if step % 10 == 0 and mgr.any_rank_preempted():
+                mgr.save(step, model=model, optimizer=optimizer)
+                break
+
+        One all-gather of a bool over the manager's group, bounded by
+        ``timeout`` (a rank that is gone makes it raise
+        :class:`~nostall.CheckpointError`).
+        """
+        self._check_open()
+        with self._lock:
+            self._check_open()
+            if self._comm.size == 1:
+                return self.preempted
+            return any(self._comm.all_gather(self.preempted))
 
     @property
     def _pending(self) -> Optional[Tuple[PendingSave, SaveHandle]]:
@@ -414,14 +556,17 @@ class CheckpointManager:
             use_async = False
         t_call = time.perf_counter()
         self._check_open(writing=True)  # at once, before any wait
-        # The previous save is settled first and its commit callbacks run (as before any save), but outside
-        # the lock: a callback may call the manager (a callback running in a watcher thread too, while this waits).
-        self._finalize_then_callbacks(None, flush=False)
-        with self._lock:
-            handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap, stage_now,
-                                       t_call)
-        if not use_async:
-            handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
+        self._note_preemption()
+        with self._shielded():  # a preemption signal now takes effect once this save has returned
+            # The previous save is settled first and its commit callbacks run (as before any save), but outside
+            # the lock: a callback may call the manager (a callback running in a watcher thread too, while this
+            # waits).
+            self._finalize_then_callbacks(None, flush=False)
+            with self._lock:
+                handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap,
+                                           stage_now, t_call)
+            if not use_async:
+                handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
         return handle
 
     def _save_locked(self, step: Optional[int], state: Any, training: Optional[Training], optimizer: Any, path: Any,
@@ -522,7 +667,7 @@ class CheckpointManager:
 
     def _drive(self, timeout: Optional[float]) -> None:
         """SaveHandle.result()/exception(): settle (retention included), without raising here."""
-        with self._lock:
+        with self._shielded(), self._lock:
             self._settle(timeout)
             if self._writer is not None:
                 self._writer.flush(self.options.timeout if timeout is None else timeout)
@@ -601,7 +746,8 @@ class CheckpointManager:
         manager, this method included. Once ``close()`` has finished waiting
         for callbacks, it returns at once (nothing is pending then).
         """
-        self._finalize_then_callbacks(timeout, flush=True)
+        with self._shielded():
+            self._finalize_then_callbacks(timeout, flush=True)
 
     def _finalize(self, timeout: Optional[float], flush: bool, due: Optional[List[SaveHandle]] = None) -> None:
         """Settle the pending save (bounded), wait for the writer's retention (``flush``), and raise (or
@@ -738,19 +884,32 @@ class CheckpointManager:
         :class:`~nostall.CheckpointError` at once ("is closed"), a late
         callback's included. A close() while another runs (from a callback,
         say) returns at once.
+
+        Once the preemption signal came (:attr:`preempted`), ``timeout`` is
+        at most what is left of ``grace_s``: a save not committed by then is
+        given up (its writer stopped; the previous checkpoint stays latest).
+        A signal that comes during close() takes effect once it returned.
         """
-        with self._lock:
-            if self._closed or self._closing:
-                return
-            self._closing = True
-        failure: Optional[BaseException] = None
-        try:
-            failure = self._close_wait(timeout)
-        finally:
+        with self._shielded():
             with self._lock:
-                self._release()
-        if failure is not None:
-            raise failure
+                if self._closed or self._closing:
+                    return
+                self._closing = True
+            self._note_preemption()
+            left = self._grace_left()
+            if left is not None:
+                timeout = left if timeout is None else min(timeout, left)
+            failure: Optional[BaseException] = None
+            try:
+                failure = self._close_wait(timeout)
+            finally:
+                with self._lock:
+                    self._release()
+            if left is not None and failure is None:
+                log.info("rank %d: preempted: every save of this manager is settled, %.1fs before the end of the "
+                         "grace period", self.rank, self._grace_left() or 0.0)
+            if failure is not None:
+                raise failure
 
     def _close_wait(self, timeout: Optional[float]) -> Optional[BaseException]:
         """close(), phase 1: finalize, and wait (lock released) for the commit callbacks still running,
@@ -799,12 +958,7 @@ class CheckpointManager:
         self._hooks.clear()
         self._attached = weakref.WeakSet()
         atexit.unregister(self._at_exit)
-        if self._sigterm_installed and signal.getsignal(signal.SIGTERM) is _sigterm_to_exit:
-            try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ours only while a save can be pending
-            except ValueError:  # not the main thread: left as it is
-                pass
-            self._sigterm_installed = False
+        self._uninstall_preemption()
         if self._writer is not None:
             # A job still in flight here timed out above (e.g. rank 0's host died, so its outcome
             # never comes): the writer would answer "stop" only after its own bounded waits. It is
@@ -814,11 +968,29 @@ class CheckpointManager:
             self._claim.release()
         self._comm.close()
 
+    def _uninstall_preemption(self) -> None:
+        """close(): the handler goes inactive (it only forwards from now on), and the handler it replaced is
+        put back when it is still the signal's (in the main thread; otherwise it stays, inactive)."""
+        handler = self._preemption
+        if handler is None:
+            return
+        handler.deactivate()
+        signum, previous = handler.signum, handler.previous
+        while isinstance(previous, _Preemption) and not previous.active:  # a closed manager's: skipped over
+            previous = previous.previous
+        if signal.getsignal(signum) is handler:
+            try:
+                signal.signal(signum, previous)
+            except ValueError:  # not the main thread: left in place, forwarding only
+                pass
+
     def _close_at_exit(self) -> None:
         try:
             self.close()
         except Exception as e:
             log.error("rank %d: while closing the checkpoint manager at exit: %s", self.rank, e)
+        except SystemExit:  # a preemption signal during this close: the process is exiting already
+            pass
 
     def _check_open(self, writing: bool = False) -> None:
         if self._closed:
@@ -829,7 +1001,15 @@ class CheckpointManager:
     def __enter__(self) -> "CheckpointManager":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is SystemExit and self.preempted:
+            # The preemption's exit unwinds through here: a save given up within the grace period is logged,
+            # and the exit goes on (an error raised here would replace it).
+            try:
+                self.close()
+            except CheckpointError as e:
+                log.error("rank %d: preempted: %s", self.rank, e)
+            return
         self.close()
 
     def __repr__(self) -> str:

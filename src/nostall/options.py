@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import enum
 import mmap
+import signal
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
 from nostall.core.format import DEFAULT_BLOCK_SIZE
 
-__all__ = ["Options", "NOT_GIVEN", "NotGiven", "check_block_size", "options_from"]
+__all__ = ["Options", "NOT_GIVEN", "NotGiven", "check_block_size", "check_preemption_signal", "options_from"]
 
 MIN_BLOCK_SIZE = 8
 MAX_BLOCK_SIZE = 1 << 30
@@ -48,6 +49,31 @@ def check_block_size(value: Any) -> int:
         raise ValueError(f"block_size must be a power of two between {MIN_BLOCK_SIZE} and {MAX_BLOCK_SIZE} "
                          f"bytes, got {value!r}")
     return value
+
+
+def check_preemption_signal(value: Any) -> signal.Signals:
+    """``value`` as a signal a manager may handle for preemption, or ``ValueError`` saying the rule.
+
+    A signal number of this platform that a process can catch (not SIGKILL
+    or SIGSTOP).
+
+    >>> check_preemption_signal(15).name
+    'SIGTERM'
+    >>> check_preemption_signal(signal.SIGKILL)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: preemption_signal must be a signal a process can catch (SIGTERM, SIGUSR1...) or None, got <...KILL...>
+    """
+    uncatchable = {signal.SIGKILL} | ({signal.SIGSTOP} if hasattr(signal, "SIGSTOP") else set())
+    try:
+        sig = signal.Signals(value)
+        ok = not isinstance(value, bool) and sig in signal.valid_signals() and sig not in uncatchable
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"preemption_signal must be a signal a process can catch (SIGTERM, SIGUSR1...) or None, "
+                         f"got {value!r}")
+    return sig
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
@@ -106,6 +132,29 @@ class Options:
             the others over the group (docs/protocol.md, "Loading"). None
             (default): on object storage, where each read costs; True: also
             on a filesystem (a shared one: NFS, Lustre); False: never.
+        preemption_signal: the signal a scheduler sends before it kills the
+            job (SIGTERM by default: Kubernetes, SLURM, torchrun); None: the
+            manager installs no handler. A saving manager created on the main
+            thread handles it: ``mgr.preempted`` becomes True, a save running
+            in the main thread finishes first, and the save already handed to
+            the background writer is committed by the writer without the
+            training loop (docs/reliability.md, "Preemption"). Not SIGKILL or
+            SIGSTOP, which cannot be caught.
+        grace_s: seconds between that signal and the SIGKILL that follows it
+            (Kubernetes' ``terminationGracePeriodSeconds`` and SLURM's
+            ``KillWait`` default to 30, torchrun's shutdown too). Once the
+            signal came, closing the manager (``with`` exit, ``close()``, the
+            exit handler) waits at most what is left of it for the pending
+            save, so a preempted process exits within ``grace_s``.
+        exit_on_preemption: True (default): the signal ends the process as
+            its default action would, but as a normal exit (``SystemExit(128
+            + signal)``, raised in the main thread once the manager call it
+            interrupts, if any, has returned), so that ``with`` blocks and
+            the exit handler commit the pending save. False: the signal only
+            sets ``mgr.preempted``; the loop checks it and stops (``if
+            mgr.preempted: mgr.save(step, ...); break``). A handler of the
+            signal installed before the manager (yours, a framework's) is
+            called after the manager's and decides instead.
     """
 
     keep_last: Optional[int] = None
@@ -124,6 +173,9 @@ class Options:
     full_every: Optional[int] = None
     shared_loads: bool = True
     read_once: Optional[bool] = None
+    preemption_signal: Optional[int] = signal.SIGTERM
+    grace_s: float = 30.0
+    exit_on_preemption: bool = True
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -154,7 +206,12 @@ class Options:
                              f"(1048576), got {self.max_write_rate!r}")
         if self.full_every is not None:
             _positive_int("full_every", self.full_every)
-        for name in ("async_save", "fallback_sync", "overlap", "incremental"):
+        if self.preemption_signal is not None:
+            object.__setattr__(self, "preemption_signal", check_preemption_signal(self.preemption_signal))
+        if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) or not self.grace_s > 0:
+            raise ValueError(f"grace_s must be a positive number of seconds, got {self.grace_s!r}")
+        object.__setattr__(self, "grace_s", float(self.grace_s))
+        for name in ("async_save", "fallback_sync", "overlap", "incremental", "exit_on_preemption"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     def but(self, **changes: Any) -> "Options":
