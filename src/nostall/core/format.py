@@ -530,7 +530,7 @@ class Manifest:
         references = _references_section(doc, path, step)
         world_size = _int(doc["world_size"], "world_size")
         per_rank = []
-        seen: Dict[Tuple[int, ...], Tuple[int, ...]] = {}
+        seen: Dict[Any, Any] = {}  # one object per distinct shape, offset, file name
         for i, r in enumerate(_list(doc["per_rank"], "per_rank")):
             r = _obj(r, f"per_rank[{i}]")
             per_rank.append(RankRecord(
@@ -747,7 +747,7 @@ def _ints(x: Any, what: str) -> Tuple[int, ...]:
     return t
 
 
-def _box_ints(x: Any, key: str, field: str, seen: Dict[Tuple[int, ...], Tuple[int, ...]]) -> Tuple[int, ...]:
+def _box_ints(x: Any, key: str, field: str, seen: Dict[Any, Any]) -> Tuple[int, ...]:
     """:func:`_ints` for a shape or offset, one tuple kept per distinct value (``seen``): a manifest repeats
     a few shapes over millions of pieces."""
     if type(x) is not list:
@@ -756,7 +756,8 @@ def _box_ints(x: Any, key: str, field: str, seen: Dict[Tuple[int, ...], Tuple[in
     for v in t:
         if type(v) is not int:
             raise TypeError(f"'{key}: {field}' must be an integer, not {_json_type(v)}")
-    return seen.setdefault(t, t)
+    got: Tuple[int, ...] = seen.setdefault(t, t)
+    return got
 
 
 def _json_type(x: Any) -> str:
@@ -765,7 +766,7 @@ def _json_type(x: Any) -> str:
     return names.get(type(x), type(x).__name__)
 
 
-def _tensor_rec(key: str, t: Any, seen: Dict[Tuple[int, ...], Tuple[int, ...]]) -> TensorRecord:
+def _tensor_rec(key: str, t: Any, seen: Dict[Any, Any]) -> TensorRecord:
     """The record of ``key`` in a parsed manifest, every field checked (``seen``: see :func:`_box_ints`)."""
     t = _obj(t, f"tensor {key}")
     pieces = []
@@ -782,6 +783,7 @@ def _tensor_rec(key: str, t: Any, seen: Dict[Tuple[int, ...], Tuple[int, ...]]) 
         file = p["file"]
         if type(file) is not str:
             raise TypeError(f"{key!r}: file must be a string, not {_json_type(file)}")
+        file = seen.setdefault(file, file)  # one string per file, as for shapes
         rec = _new(PieceRecord)  # PieceRecord(...) without the frozen dataclass's per-field setattr
         rec.__dict__.update(offset=_box_ints(p["offset"], key, "offset", seen),
                             shape=_box_ints(p["shape"], key, "shape", seen), file=file, start=start, end=end,

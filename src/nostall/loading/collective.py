@@ -38,7 +38,7 @@ from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
 from nostall.core.format import gc_paused
 
-__all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share"]
+__all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share", "pack", "unpack"]
 
 Shape = Tuple[int, ...]
 Boxes = Dict[str, List[Tuple[Shape, Shape]]]
@@ -138,6 +138,19 @@ def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes]) -> Tuple[S
             whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start
                       and ((p.offset, p.shape) == bs[0] or any(_contains(b, p) for b in bs))]
     return (pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)), whole
+
+
+def pack(share: Share) -> Any:
+    """``share`` as it travels: each piece a plain tuple (pickled several times faster than the record)."""
+    pieces, mine = share
+    return {k: [(p.offset, p.shape, p.file, p.start, p.end, p.crc32c, p.digest) for p in ps]
+            for k, ps in pieces.items()}, mine
+
+
+def unpack(packed: Any) -> Share:
+    """The share :func:`pack` packed."""
+    pieces, mine = packed
+    return {k: tuple(PieceRecord(*f) for f in ps) for k, ps in pieces.items()}, mine
 
 
 def _contains(box: Tuple[Shape, Shape], p: PieceRecord) -> bool:
@@ -251,8 +264,8 @@ def fetch_share(comm: Comm, head: Manifest, index: Any, path: str, boxes: Option
     got = comm.scatter(answers)
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str):
         raise _raise(got)
-    share, plan = got
-    return with_share(head, share, comm.rank), plan
+    packed, plan = got
+    return with_share(head, unpack(packed), comm.rank), plan
 
 
 def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[Boxes], bool]], read_once: bool
@@ -271,7 +284,7 @@ def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[
                       in enumerate(asks)]
             plans = (peers.assign([w for _, w in shares], peers.RECEIVE_CAP) if read_once
                      else [peers.Plan() for _ in shares])
-            return [(share, plan) for (share, _), plan in zip(shares, plans)]
+            return [(pack(share), plan) for (share, _), plan in zip(shares, plans)]
     except Exception as e:  # the others wait for their share: the error must reach them
         err = _error(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
         return [err] * len(asks)

@@ -43,14 +43,15 @@ def shared_load_costs(raw: bytes, metas: Sequence[Any], parse_s: float) -> Dict[
         t1 = time.perf_counter()
         plans = peers.assign([w for _, w in shares], peers.RECEIVE_CAP)
         t2 = time.perf_counter()
-        blobs = [pickle.dumps((share, plan), protocol=PICKLE) for (share, _), plan in zip(shares, plans)]
+        blobs = [pickle.dumps((collective.pack(share), plan), protocol=PICKLE)
+                 for (share, _), plan in zip(shares, plans)]
         t_cut, t_assign, t_pickle = t1 - t0, t2 - t1, time.perf_counter() - t2
     other = min(1, len(metas) - 1)
     gc.freeze()  # a rank's own process holds none of this one's millions of objects: leave them to no collection
     try:
         t0 = time.perf_counter()
-        (share, _plan) = pickle.loads(blobs[other])
-        collective.with_share(pickle.loads(head), share, other)
+        (packed, _plan) = pickle.loads(blobs[other])
+        collective.with_share(pickle.loads(head), collective.unpack(packed), other)
         t_rank = time.perf_counter() - t0
     finally:
         gc.unfreeze()
