@@ -420,15 +420,28 @@ def plan_reads(rec: TensorRecord, dest: torch.Tensor, off: Shape, out: List[Read
         lo0, hi0 = off[0], off[0] + shape[0]
         pieces = tuple(p for p in pieces if p.offset[0] < hi0 and p.offset[0] + p.shape[0] > lo0)
     for p in pieces:
-        lo = tuple(max(a, b) for a, b in zip(off, p.offset))
-        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, p.offset, p.shape))
-        if any(h <= l for l, h in zip(lo, hi)):
-            continue
-        box = tuple(h - l for l, h in zip(lo, hi))
-        view = dest
-        for d, (l, n) in enumerate(zip(lo, box)):
+        po, ps = p.offset, p.shape
+        for a, n, b, m in zip(off, shape, po, ps):
+            if b < a or b + m > a + n:  # the piece is not inside the region: its overlap with it
+                lo = tuple(max(a, b) for a, b in zip(off, po))
+                hi = tuple(min(a + n, b + m) for a, n, b, m in zip(off, shape, po, ps))
+                if any(h <= l for l, h in zip(lo, hi)):
+                    break
+                box = tuple(h - l for l, h in zip(lo, hi))
+                out.append(Read(rec, p, lo, box, _view(dest, off, shape, lo, box)))
+                break
+        else:  # the whole piece (the usual case: a load in the saved layout, or of whole tensors)
+            if 0 not in ps:
+                out.append(Read(rec, p, po, ps, _view(dest, off, shape, po, ps)))
+
+
+def _view(dest: torch.Tensor, off: Shape, shape: Shape, lo: Shape, box: Shape) -> torch.Tensor:
+    """The region ``lo`` + ``box`` (global) of ``dest``, which holds the region ``off`` + ``shape``."""
+    view = dest
+    for d, (l, n) in enumerate(zip(lo, box)):
+        if n != shape[d]:
             view = view.narrow(d, l - off[d], n)
-        out.append(Read(rec, p, lo, box, view))
+    return view
 
 
 def unique_reads(reads: List[Read]) -> List[Read]:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from nostall.core.dtypes import torch_dtype
-from nostall.core.format import Manifest, TensorRecord
+from nostall.core.format import Manifest, TensorRecord, gc_paused
 from nostall.core.model import PerRank, ShardedTensor, dtensor_box, is_dtensor, walk, walk_value
 from nostall.errors import CheckpointLoadError
 from nostall.loading import engine
@@ -295,8 +295,9 @@ def load_state_keys(
     from other ranks); closed here. None: opened here.
     """
     try:
-        return _load_keys(template, path, strict, scope, rank, world_size, verify, per_rank, manifest,
-                          storage_options, timeout, files)
+        with gc_paused():  # a load makes many small objects in no cycle (records, reads, views)
+            return _load_keys(template, path, strict, scope, rank, world_size, verify, per_rank, manifest,
+                              storage_options, timeout, files)
     finally:
         if files is not None:  # closed whatever happened (a refused load too): it may hold received bytes
             files.close()
