@@ -91,7 +91,12 @@ def test_exit_mode_lets_a_save_in_progress_finish_then_exits(tmp_path):
         with nostall.CheckpointManager(root, async_save=True) as mgr:
             mgr.save(1, state(1)).result()
             mgr._faults.stage_delay_s = 1.0
-            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            def signal_inside_save():
+                deadline = time.monotonic() + 60
+                while mgr._preemption.shield == 0 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGTERM)      # while the main thread is inside save()
+            threading.Thread(target=signal_inside_save, daemon=True).start()
             try:
                 mgr.save(2, state(2))
             except SystemExit as e:
