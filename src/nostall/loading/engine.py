@@ -51,7 +51,10 @@ ARENAS = 3
 COALESCE_GAP = 64 << 10
 """Ranges of one file at most this many bytes apart are read as one span (the gap read and dropped)."""
 DIRECT_MIN = 1 << 20
-"""A whole piece of at least this many bytes is read straight into its destination when it can be."""
+"""A whole piece of at least this many bytes is read alone, straight into its destination, in windows checked
+while the next is read; a smaller one with the pieces next to it in the file, by one gathered read."""
+GATHER_MAX = 256
+"""The most pieces one gathered read fills (with the gaps between them, under the 1,024 buffers of a ``preadv``)."""
 COPY_GRAIN = 1 << 15
 """Elements per torch copy into CPU memory: torch's own grain, under which a copy stays on the calling thread
 (its intra-op threads would contend with the verifier's, and stall on a busy machine)."""
@@ -109,7 +112,7 @@ def _needs(r: Read, bs: int, shared: bool, window: int) -> Iterator[_Need]:
     dest = r.dest
     strides = _strides(piece.shape)
     if box == piece.shape and dest.device.type == "cpu" and dest.is_contiguous() and dest.dtype == dtype:
-        if not shared and piece.nbytes >= DIRECT_MIN:
+        if not shared:
             yield _Need(r, piece.start, piece.end, 0, strides, True, True)
             return
         if piece.nbytes <= window:
@@ -144,20 +147,31 @@ def _chunks(r: Read, strides: Shape, isz: int, target: int) -> Iterator[Read]:
 
 
 def _spans(needs: List[_Need], window: int) -> Iterator[_Span]:
-    """The needs of one file in file order coalesced into spans, a direct need alone in its own.
+    """The needs of one file in file order coalesced into spans; direct needs in spans of their own.
 
     A need inside the current span joins it; one that starts at most :data:`COALESCE_GAP` past its end joins it
     while the span stays within ``window``. So a new span starts past the previous one's end or
-    inside the last need of it (a chunk's boundary block), never earlier.
+    inside the last need of it (a chunk's boundary block), never earlier. A direct need of
+    :data:`DIRECT_MIN` bytes or more is a span alone; smaller ones that follow each other in the file without a
+    gap over :data:`COALESCE_GAP` share one (read by one gathered read straight into their tensors, a gap into
+    a scratch buffer), up to :data:`GATHER_MAX` of them within ``window``.
     """
     cur: Optional[_Span] = None
     for n in sorted(needs, key=lambda n: (n.lo, n.hi)):
         if n.direct:
-            if cur is not None:
+            if cur is not None and (not cur.needs[0].direct or n.hi - n.lo >= DIRECT_MIN
+                                    or not cur.hi <= n.lo <= cur.hi + COALESCE_GAP
+                                    or len(cur.needs) >= GATHER_MAX or n.hi - cur.lo > window):
                 yield cur
                 cur = None
-            yield _Span(n.lo, n.hi, [n])
-        elif cur is not None and n.lo <= cur.hi + COALESCE_GAP and (
+            if n.hi - n.lo >= DIRECT_MIN:
+                yield _Span(n.lo, n.hi, [n])
+            elif cur is None:
+                cur = _Span(n.lo, n.hi, [n])
+            else:
+                cur.needs.append(n)
+                cur.hi = n.hi
+        elif cur is not None and not cur.needs[0].direct and n.lo <= cur.hi + COALESCE_GAP and (
                 n.hi <= cur.hi or n.hi - cur.lo <= window):
             cur.needs.append(n)
             cur.hi = max(cur.hi, n.hi)
@@ -315,6 +329,7 @@ def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, che
                    on_error: Optional[OnError]) -> None:
     """:func:`execute_all`'s reads: each file's spans in file order, each read, handed to ``checks`` and
     scattered."""
+    gathered: List[Blocks] = []  # pieces read straight into their tensors, checked together
     for name in sorted(spans):
         path = files.path(name)
         prev: Optional[Tuple[_Span, memoryview]] = None
@@ -322,7 +337,13 @@ def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, che
             at = item.needs[0].read
             try:
                 if item.needs[0].direct:
-                    _read_whole(at, files, bs, checks)
+                    if len(item.needs) == 1 and at.piece.nbytes >= DIRECT_MIN:
+                        _read_whole(at, files, bs, checks)
+                    else:
+                        gathered += _read_gathered(item, files, name, path)
+                        if sum(len(b[0]) for b in gathered) >= VERIFY_WINDOW:
+                            checks.check_all(gathered, bs)
+                            gathered = []
                     continue
                 buf = _read_span(item, prev, files, name, ring)
                 ring.check(_to_check(item, prev, buf, path, bs))
@@ -334,6 +355,23 @@ def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, che
                 if on_error is not None:
                     on_error(at, e)
                 raise
+    checks.check_all(gathered, bs)
+
+
+def _read_gathered(span: _Span, files: DataFiles, name: str, path: str) -> List[Blocks]:
+    """Whole pieces next to each other in the file, read by one gathered read straight into their tensors; their
+    blocks to check."""
+    bufs, out = [], []
+    pos = span.lo
+    for n in span.needs:
+        if n.lo > pos:  # bytes between two pieces (padding, a piece not loaded): read and dropped
+            bufs.append(memoryview(bytearray(n.lo - pos)))
+        b = byte_view(n.read.dest)
+        bufs.append(b)
+        out.append((b, 0, n.read.piece, n.read.rec, path))
+        pos = n.hi
+    files.read_into(name, span.lo, bufs)
+    return out
 
 
 def _read_span(span: _Span, prev: Optional[Tuple[_Span, memoryview]], files: DataFiles, name: str,

@@ -105,6 +105,18 @@ class DataFiles:
                 pos = stop
         return out
 
+    def read_into(self, name: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` with the consecutive bytes of ``name`` from ``offset`` on: one gathered read from storage
+        (:meth:`StoredFile.read_into <nostall.storage.root.StoredFile.read_into>`), or buffer by buffer
+        (:meth:`read`) when some of it was received."""
+        if self._received.get(name):
+            for b in bufs:
+                self.read(name, offset, len(b), into=b)
+                offset += len(b)
+            return
+        self.bytes_read += sum(len(b) for b in bufs)
+        self.check(name).read_into(offset, bufs)
+
     def close(self) -> None:
         """Close every opened file and let go of the bytes kept (:meth:`keep`)."""
         for f in self.open.values():

@@ -18,7 +18,7 @@ import socket
 import stat
 import sys
 import time
-from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import AbstractSet, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from nostall.storage import files as storage
 from nostall.core.faults import Faults, crash_point
@@ -76,6 +76,17 @@ class PosixFile(StoredFile):
         assert self.fd is not None
         return storage.read_exact(self.fd, offset, length, self.path, into)
 
+    def read_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """One ``preadv`` straight into ``bufs`` (at most ``os.sysconf('SC_IOV_MAX')`` of them); a short read's
+        rest is read buffer by buffer (:meth:`read`: the end of the file is corruption)."""
+        assert self.fd is not None
+        got = os.preadv(self.fd, bufs, offset) if bufs else 0
+        for b in bufs:
+            n = len(b)
+            if got < n:
+                self.read(offset + got, n - got, b[got:])
+            got = max(0, got - n)
+            offset += n
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)

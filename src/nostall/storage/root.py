@@ -56,7 +56,7 @@ import logging
 import os
 import re
 import socket
-from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from nostall.core.faults import Faults
 from nostall.core.format import Manifest, check_json_cost
@@ -260,6 +260,16 @@ class StoredFile(abc.ABC):
     def read(self, offset: int, length: int, into: Optional[memoryview] = None) -> memoryview:
         """Exactly ``length`` bytes at ``offset`` (into ``into`` when given); a short read raises
         :class:`~nostall.CheckpointCorruptError`."""
+
+    def read_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` with the consecutive bytes from ``offset`` on, in one request where the storage can
+        (here: one read into a buffer, copied out; a filesystem reads straight into them). A short read raises
+        as :meth:`read` does."""
+        data = self.read(offset, sum(len(b) for b in bufs))
+        at = 0
+        for b in bufs:
+            b[:] = data[at : at + len(b)]
+            at += len(b)
 
     def close(self) -> None:  # noqa: B027 - optional step, no-op by default
         """Release what the open holds (a descriptor)."""
