@@ -19,9 +19,10 @@ returns or raises) unless given a :class:`SpanBuffers`, which its owner closes (
 ``Source``, the DCP reader). Their bytes are bounded by the buffers' ``budget`` (a load's default
 :data:`SPAN_BUDGET`; an export sets it from its ``memory_limit``); nothing is kept between owners.
 
-Reads are aligned to checksum blocks, so every byte used is verified; a piece of at least
-:data:`DIRECT_MIN` bytes needed whole, by one read into a contiguous CPU tensor of its dtype, lands
-straight in that tensor (no extra copy).
+Reads are aligned to checksum blocks, so every byte used is verified. A piece needed whole by one
+read into a contiguous CPU tensor of its dtype lands straight in that tensor (no extra copy): alone
+when it has :data:`DIRECT_MIN` bytes or more (in windows, each checked while the next is read), else
+with the pieces next to it in the file by one gathered read (``preadv`` on a filesystem).
 """
 
 from __future__ import annotations
