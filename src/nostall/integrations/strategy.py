@@ -90,7 +90,8 @@ class Strategy:
             the strategy opens.
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
-        check_replicas, max_write_rate, incremental, full_every, shared_loads, read_once: the
+        check_replicas, max_write_rate, incremental, full_every, shared_loads, read_once,
+        preemption_signal, grace_s, exit_on_preemption: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`; each may be passed as a keyword
             argument, or all of them as ``options=`` (a setting given both
@@ -133,6 +134,9 @@ class Strategy:
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
         read_once: Union[Optional[bool], NotGiven] = NOT_GIVEN,
+        preemption_signal: Union[Optional[int], NotGiven] = NOT_GIVEN,
+        grace_s: Union[float, NotGiven] = NOT_GIVEN,
+        exit_on_preemption: Union[bool, NotGiven] = NOT_GIVEN,
         options: Optional[Options] = None,
     ) -> None:
         self.layout = layout if layout is not None else ParallelLayout()
@@ -141,7 +145,8 @@ class Strategy:
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
             max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
-            shared_loads=shared_loads, read_once=read_once,
+            shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
+            exit_on_preemption=exit_on_preemption,
         ), "Strategy()")
         self.storage_options = self.options.storage_options
         self.process_group = process_group
