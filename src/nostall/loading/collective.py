@@ -132,11 +132,18 @@ def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes]) -> Tuple[S
     if boxes is None:
         pieces = {k: t.pieces for k, t in m.tensors.items() if t.pieces}
     else:
-        pieces = {k: index.overlapping(k, bs) for k, bs in boxes.items() if k in m.tensors}
-        for k, ps in pieces.items():
-            bs = boxes[k]
-            whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start
-                      and ((p.offset, p.shape) == bs[0] or any(_contains(b, p) for b in bs))]
+        pieces = {}
+        tensors, exact = m.tensors, index.exact
+        for k, bs in boxes.items():
+            if k not in tensors:
+                continue
+            p = exact(k, bs[0]) if len(bs) == 1 else None
+            if p is not None:  # a box that is a saved piece (a load in the saved layout): that piece, whole
+                pieces[k] = (p,)
+                whole.append((p.file, p.start, p.end))
+                continue
+            pieces[k] = ps = index.overlapping(k, bs)
+            whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start and any(_contains(b, p) for b in bs)]
     return (pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)), whole
 
 
