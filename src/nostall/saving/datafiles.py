@@ -9,8 +9,13 @@ the writer's chunked path (``nostall.saving.writer``) feed it.
 *Incremental saves* (``SaveJob.incremental``): every piece gets an xxh3-128
 digest (:data:`nostall.core.format.DIGEST_ALGORITHM`), taken here, in the process
 that writes (the background writer for an async save: the trainer's stall
-does not grow). When the job names a ``base`` -- the rank's previous committed
-save -- and :class:`History` holds that save's pieces, a piece whose identity
+does not grow). A piece that is sure to be written (no base, or a *probe* --
+a 64-bit hash of three small samples of its bytes, remembered per piece in
+:class:`History` -- differs from the base's) is hashed beside its write, in
+the checksum thread, so that the digest costs no time on top of the write;
+only a piece that may be unchanged is hashed before anything is decided.
+When the job names a ``base`` -- the rank's previous committed save -- and
+:class:`History` holds that save's pieces, a piece whose identity
 (file, safetensors entry, dtype, shape) and digest equal the base's is not
 written: the manifest points at the bytes already on storage. The file then
 holds only the other pieces, packed in planned order after a header laid out
@@ -67,9 +72,19 @@ class Checksums:
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def add(self, piece: PlannedPiece, buf: memoryview) -> None:
-        """Checksum ``buf``, the next bytes of ``piece`` (file, start, end), block-aligned within it."""
-        self._pending.setdefault(piece, []).append(self._pool.submit(block_crcs, buf, self.block_size))
+    def add(self, piece: PlannedPiece, buf: memoryview, hasher: Any = None) -> None:
+        """Checksum ``buf``, the next bytes of ``piece`` (file, start, end), block-aligned within it.
+
+        ``hasher``: a streaming digest (:func:`~nostall.core.format.digest_hasher`) that the same thread
+        also feeds ``buf`` to, in the order of the calls (an incremental save's digest beside the write);
+        read it once :meth:`wait` for the piece returns.
+        """
+        self._pending.setdefault(piece, []).append(self._pool.submit(_sum, buf, self.block_size, hasher))
+
+    def wait(self, piece: PlannedPiece) -> None:
+        """Wait until every buffer of ``piece`` handed over so far is checksummed (and hashed)."""
+        for f in self._pending.get(piece, []):
+            f.result()
 
     def expect(self, piece: PlannedPiece) -> None:
         """``piece`` is part of the job even if no bytes of it come (an empty piece)."""
@@ -88,6 +103,40 @@ class Checksums:
 
     def result(self) -> Crcs:
         return {k: tuple(c for f in fs for c in f.result()) for k, fs in self._pending.items()}
+
+
+def _sum(buf: memoryview, block_size: int, hasher: Any) -> List[int]:
+    """The checksum thread's work on one buffer: its digest (when asked), then its CRC32C blocks."""
+    if hasher is not None:
+        hasher.update(buf)
+    return block_crcs(buf, block_size)
+
+
+_PROBE_SAMPLE = 4 << 10
+"""Bytes of each of a probe's three samples (the start, the middle and the end of a piece)."""
+_INLINE_MAX = 256 << 10
+"""Pieces up to this size are hashed in the writing thread before anything is decided: handing them to the
+checksum thread would cost more than hashing them."""
+
+
+def probe(buf: memoryview) -> int:
+    """A 64-bit xxh3 hash of three samples of ``buf`` (its first, middle and last 4 KiB).
+
+    Equal bytes give equal probes, so a probe that differs from the base's proves the piece changed (and
+    that it will be written); an equal probe proves nothing (the full digest decides).
+    """
+    import xxhash
+
+    mv = memoryview(buf).cast("B")
+    n = len(mv)
+    h = xxhash.xxh3_64()
+    if n <= 3 * _PROBE_SAMPLE:
+        h.update(mv)
+    else:
+        mid = (n - _PROBE_SAMPLE) // 2
+        for a in (0, mid, n - _PROBE_SAMPLE):
+            h.update(mv[a : a + _PROBE_SAMPLE])
+    return int(h.intdigest())
 
 
 class Readback(Protocol):
@@ -118,12 +167,18 @@ class Base:
     be referenced, and afterwards as long as its file's identity has not changed since (``verified``,
     kept by :class:`History` across saves). A file damaged, replaced or removed since is never
     referenced again: the piece is written anew, from the trainer's good copy.
+
+    ``probes``: the :func:`probe` of the base's pieces (those it knows), which tell a piece that changed
+    before its digest is taken. ``seen``: filled by the job, the probe of each of its pieces (for the
+    next save's base). An empty base (no pieces) is what a job with nothing to reuse gets.
     """
 
     pieces: Dict[PieceId, Placed] = field(default_factory=dict)
     files: Dict[str, FileRecord] = field(default_factory=dict)
     store: Optional[Readback] = None
     verified: Verified = field(default_factory=dict)
+    probes: Dict[PieceId, int] = field(default_factory=dict)
+    seen: Dict[PieceId, int] = field(default_factory=dict)
     _idents: Dict[str, Optional[str]] = field(default_factory=dict)  # this job's look at each file
     _buf: Optional[memoryview] = None
 
@@ -131,7 +186,16 @@ class Base:
         """This base for one job, showing what it reuses intact through ``store``; files whose name starts
         with ``exclude`` are not offered."""
         files = {n: f for n, f in self.files.items() if not (exclude and n.startswith(exclude))}
-        return Base(self.pieces, files, store, verified)
+        return Base(self.pieces, files, store, verified, self.probes)
+
+    def may_reuse(self, pid: Optional[PieceId], size: int, probe_: Optional[int]) -> bool:
+        """Whether a piece (its id, size and probe, if taken) may turn out unchanged: False when it is sure
+        to be written (so that its digest can be taken beside the write)."""
+        p = self.pieces.get(pid) if pid is not None else None
+        if p is None or p.end - p.start != size or p.file not in self.files:
+            return False
+        known = self.probes.get(pid) if pid is not None else None
+        return known is None or probe_ is None or known == probe_
 
     def intact(self, p: Placed) -> bool:
         """Whether the stored bytes of ``p`` are what was written there (see the class docstring)."""
@@ -193,13 +257,21 @@ class History:
         self.save_id = ""
         self.base = Base()
         self.verified: Verified = {}
+        self._handed: Optional[Tuple[str, Base]] = None  # the last job given a base, and that base
 
     def base_for(self, job: SaveJob) -> Optional[Base]:
-        if job.incremental and job.base and job.base == self.save_id:
+        """What ``job`` may reuse: None for a full save; an empty base for an incremental save that has
+        nothing to reuse (it writes every piece, and its base collects the probes the next save needs)."""
+        if not job.incremental:
+            return None
+        if job.base and job.base == self.save_id:
             # what it reuses is shown intact first; never a file of the directory this save replaces (a
             # re-saved step): a checkpoint references only files of other checkpoints (docs/format.md)
-            return self.base.for_job(job.dest.root, self.verified, exclude=job.dest.name + "/")
-        return None
+            base = self.base.for_job(job.dest.root, self.verified, exclude=job.dest.name + "/")
+        else:
+            base = Base()
+        self._handed = (job.save_id, base)
+        return base
 
     def committed(self, job: SaveJob, done_placed: Dict[PlannedPiece, Placed], files: Dict[str, FileRecord],
                   ids: Dict[PlannedPiece, PieceId]) -> None:
@@ -213,8 +285,11 @@ class History:
 
         pieces = {ids[k]: Placed(rel(p.file), p.start, p.end, p.crc32c, p.digest)
                   for k, p in done_placed.items() if k in ids and p.digest}
+        handed, self._handed = self._handed, None
+        seen = handed[1].seen if handed is not None and handed[0] == job.save_id else {}
         self.save_id = job.save_id
-        self.base = Base(pieces, {rel(n): FileRecord(rel(n), f.rank, f.size) for n, f in files.items()})
+        self.base = Base(pieces, {rel(n): FileRecord(rel(n), f.rank, f.size) for n, f in files.items()},
+                         probes={k: v for k, v in seen.items() if k in pieces})
         self.verified = {k: v for k, v in self.verified.items() if k[0] in self.base.files}
 
 
@@ -240,6 +315,7 @@ class _FileOut:
         self.piece_at = 0  # where the piece being written starts in the output
         self.own: Dict[Tuple[int, int], Tuple[int, int, str]] = {}  # planned range -> (start, end, digest) written
         self.reused: Dict[Tuple[int, int], Placed] = {}
+        self.beside: Dict[Tuple[int, int], Any] = {}  # own pieces hashed beside their write -> their hasher
         self.ids: Dict[PlannedPiece, PieceId] = {}
 
     def __enter__(self) -> "_FileOut":
@@ -272,20 +348,14 @@ class _FileOut:
         if start == piece[0]:
             self.hasher = digest_hasher()
             self.piece_at = self.out.pos
-        self.hasher.update(buf)
-        if start == piece[0] and ends_here:  # the whole piece at once: decide before writing
-            digest = self.hasher.hexdigest()
-            ref = self._reusable(piece, digest)
-            if ref is not None:
-                self.reused[piece] = ref
+            if ends_here:
+                self._whole(piece, key, buf)
                 return
-            self.sums.add(key, buf)
-            self.out.write(buf)
-            self.own[piece] = (self.piece_at, self.out.pos, digest)
-            return
-        self.sums.add(key, buf)  # in segments: written as it comes, dropped at its end if unchanged
+        # in segments: written as it comes (hashed beside), dropped at its end if unchanged
+        self.sums.add(key, buf, self.hasher)
         self.out.write(buf)
         if ends_here:
+            self.sums.wait(key)
             digest = self.hasher.hexdigest()
             ref = self._reusable(piece, digest)
             if ref is not None:
@@ -294,6 +364,35 @@ class _FileOut:
                 self.reused[piece] = ref
             else:
                 self.own[piece] = (self.piece_at, self.out.pos, digest)
+
+    def _whole(self, piece: Tuple[int, int], key: PlannedPiece, buf: memoryview) -> None:
+        """An incremental save's piece that came whole: left out if unchanged, else written.
+
+        A piece sure to be written (see :meth:`Base.may_reuse`) is hashed by the checksum thread beside
+        its write (its digest read in :meth:`close`); any other is hashed first, here.
+        """
+        pid = self.ids.get(key)
+        size = piece[1] - piece[0]
+        pr: Optional[int] = None
+        if size > _INLINE_MAX:
+            pr = probe(buf)
+            if pid is not None and self.base is not None:
+                self.base.seen[pid] = pr
+        if size > _INLINE_MAX and (self.base is None or not self.base.may_reuse(pid, size, pr)):
+            self.sums.add(key, buf, self.hasher)
+            self.out.write(buf)
+            self.own[piece] = (self.piece_at, self.out.pos, "")
+            self.beside[piece] = self.hasher
+            return
+        self.hasher.update(buf)
+        digest = self.hasher.hexdigest()
+        ref = self._reusable(piece, digest)
+        if ref is not None:
+            self.reused[piece] = ref
+            return
+        self.sums.add(key, buf)
+        self.out.write(buf)
+        self.own[piece] = (self.piece_at, self.out.pos, digest)
 
     def _parse_header(self) -> None:
         head, data_start = parse_file_header(bytes(self.header or b""), self.path)
@@ -321,6 +420,10 @@ class _FileOut:
         if self.header is None:
             size = self.out.finish()
             return {p: (p[0], p[1], "") for p in f.pieces}, {}, size
+        for p, h in self.beside.items():  # the digests taken beside the writes
+            self.sums.wait((f.name, p[0], p[1]))
+            a, b, _ = self.own[p]
+            self.own[p] = (a, b, str(h.hexdigest()))
         pos = f.header_size
         for p in f.pieces:  # empty pieces never arrive: place them where the packed order puts them
             if p in self.own:
