@@ -51,14 +51,23 @@ def test_bench_train_smoke(tmp_path, capsys):
                 assert _finite(r[field]) and r[field] > 0, (compute, name, field)
             assert r["verified"] == 3  # rank 0's, in its one run
         assert "staged_wait_s" in s["nostall_overlap"]
+        assert _finite(s["baseline"]["step_p99_s"])
+        for name in bench_train.SYSTEMS:  # steps while a background save is in flight: nostall's async saves only
+            r = s[name]
+            background = name in ("nostall_async", "nostall_overlap", "nostall_async_capped")
+            assert _finite(r["in_flight_p50_s"]) == background, (compute, name)
+            if background:  # the step after each save overlaps its writer's window, at least
+                assert r["in_flight_p50_s"] <= r["in_flight_p99_s"] and r["in_flight_steps_per_save"]["min"] >= 1
+                assert _finite(r["interference_per_save_s"]["median"]) and _finite(r["quiet_p50_s"])
         rs = out["ratios"][compute]
         assert {"nostall_async / copy_floor", "nostall_async / dcp_best_async", "nostall_overlap / nostall_async",
                 "nostall_sync / dcp_sync"} <= set(rs)
         run = out["runs"][compute]["nostall_overlap"][0]
         assert len(run["step_s"]) == 5 and [d["step"] for d in run["saves"]] == [2, 4]
+        assert len(run["step_t0_s"]) == 5 and all(d["write_s"] > 0 and d["t_call_s"] > 0 for d in run["saves"])
 
     assert "== device compute" in table and "== host compute" in table and "nostall_overlap" in table
-    assert "mismatches: 0" in table
+    assert "mismatches: 0" in table and "in flight" in table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # each run's directory deleted
 
@@ -99,3 +108,13 @@ def test_verify_reports_a_checkpoint_that_differs_from_the_state_at_its_save():
     assert len(bad) == 2
     assert "step 2" in bad[0] and "1 tensor(s) differ" in bad[0] and "#1" in bad[0]
     assert "step 4" in bad[1] and "saved step value 5" in bad[1]
+
+
+def test_in_flight_splits_a_runs_steps_by_the_saves_writer_windows():
+    """Steps overlapping [call, call + call_s + write_s + commit_s] are in flight; the saving steps are in neither."""
+    run = {"step_s": [1.0] * 6, "step_t0_s": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+           "saves": [{"step": 2, "t_call_s": 1.9, "call_s": 0.05, "write_s": 1.5, "commit_s": 0.1}]}
+    busy, quiet, counts = bench_train.in_flight(run)
+    assert counts == [2] and len(busy) == 2 and len(quiet) == 3  # steps 3 and 4 in flight; 1, 5, 6 quiet
+    assert bench_train.in_flight({"step_s": [1.0], "step_t0_s": [0.0], "saves": [{"step": 1, "t_call_s": 0.5,
+                                                                                    "call_s": 0.1}]}) == ([], [], [])

@@ -24,6 +24,13 @@ broken down into the wait for the previous save (write backpressure), the
 call itself, and the wait before the next ``optimizer.step()`` (overlapped
 and DCP async-staging saves).
 
+*Interference*: the steps that run while a nostall background save is in
+flight (from its call until its writer is done, by the writer's own write and
+commit times) are timed apart from the run's other steps and the baseline's:
+p50/p99, how many per save, and what they cost per save against the
+baseline's median step (``interference_per_save_s``): the part of the
+overhead that is not the call but the writer's memory and CPU traffic.
+
 Every checkpoint is verified: an untimed reference pass replays the same
 optimizer trajectory (Adam on fixed gradients is deterministic: every run
 starts from the same reset state) and records a CRC32C of every local tensor
@@ -199,8 +206,11 @@ class _Nostall(_System):
         self.mgr.finalize_pending_saves()
         for h in self.handles:
             s = h.result()
-            self.extra.append({"stall_s": s.stall_s, "stage_s": s.stage_s, "staged_wait_s": s.staged_wait_s,
-                               "total_s": s.total_s or 0.0})
+            extra = {"stall_s": s.stall_s, "stage_s": s.stage_s, "staged_wait_s": s.staged_wait_s,
+                     "total_s": s.total_s or 0.0}
+            if self.async_save:  # the writer's times: the save is in flight until it is done (in_flight)
+                extra.update(write_s=s.write_s or 0.0, commit_s=s.commit_s or 0.0)
+            self.extra.append(extra)
         self.handles = []
 
     def load_into(self, step: int, template: Dict[str, Any]) -> Tuple[List[Any], Any]:
@@ -371,12 +381,14 @@ class _Rank:
         phase = self.compute_phase(compute)
         saves = set(self.save_steps) if system is not None else set()
         step_s: List[float] = []
+        step_t0: List[float] = []  # when each step began, from the run's start
         per_save: List[Dict[str, float]] = []
         dist.barrier()
         ticks = _cpu_ticks()
         cpu0, t_start = time.process_time(), time.perf_counter()
         for s in range(1, self.steps + 1):
             t0 = time.perf_counter()
+            step_t0.append(t0 - t_start)
             phase()
             dist.all_reduce(self.sync)  # the data-parallel gradient sync: ranks step together
             waited = system.before_step() if system is not None else 0.0
@@ -391,11 +403,12 @@ class _Rank:
                 t2 = time.perf_counter()
                 system.save(s)
                 per_save.append({"step": s, "wait_previous_s": t2 - t1, "call_s": time.perf_counter() - t2,
-                                 "before_step_s": 0.0})
+                                 "before_step_s": 0.0, "t_call_s": t2 - t_start})
             step_s.append(time.perf_counter() - t0)
         wall = time.perf_counter() - t_start
         cpu = time.process_time() - cpu0
-        out: Dict[str, Any] = {"wall_s": wall, "step_s": step_s, "cpu_s": cpu, "machine_busy": _busy_since(ticks)}
+        out: Dict[str, Any] = {"wall_s": wall, "step_s": step_s, "step_t0_s": step_t0, "cpu_s": cpu,
+                               "machine_busy": _busy_since(ticks)}
         if system is not None:
             t0 = time.perf_counter()
             system.drain()
@@ -563,6 +576,34 @@ def _spread(xs: Sequence[float]) -> Dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def in_flight(run: Dict[str, Any]) -> Tuple[List[float], List[float], List[int]]:
+    """A run's steps while a background save was in flight, and its other steps (neither saving nor in flight),
+    and how many steps each save was in flight for.
+
+    A save is in flight from its call until its writer is done (the call, then the writer's write and
+    commit times: ``SaveStats.write_s``, ``commit_s``); a step is in flight when it overlaps that window.
+    The steps that save are in neither list. A run without those figures (not a nostall background save)
+    has no steps in flight: ``([], [], [])``.
+    """
+    saves = run.get("saves", [])
+    starts = run.get("step_t0_s")
+    if not saves or starts is None or not all("write_s" in d and "t_call_s" in d for d in saves):
+        return [], [], []
+    windows = [(d["t_call_s"], d["t_call_s"] + d["call_s"] + d["write_s"] + d["commit_s"]) for d in saves]
+    saving = {d["step"] - 1 for d in saves}  # 0-based indices of the steps that save
+    busy: List[float] = []
+    quiet: List[float] = []
+    counts = [0] * len(windows)
+    for i, (t0, dt) in enumerate(zip(starts, run["step_s"])):
+        if i in saving:
+            continue
+        hit = [k for k, (a, b) in enumerate(windows) if t0 < b and t0 + dt > a]
+        for k in hit:
+            counts[k] += 1
+        (busy if hit else quiet).append(dt)
+    return busy, quiet, counts
+
+
 def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], walls: Dict[str, Dict[str, List[float]]],
               save_steps: List[int], steps: int) -> Dict[str, Dict[str, Any]]:
     """Per compute model and system: overheads, losses and step-time percentiles (see docs/benchmarks.md).
@@ -579,6 +620,7 @@ def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], walls: Dict[str,
         res: Dict[str, Any] = {"baseline": {"wall_s": _spread(base_w), "step_s": _spread(
             [statistics.median(r["step_s"]) for r in base_runs]),
             "after_save_p50_s": _pct(base_after, 50), "after_save_p99_s": _pct(base_after, 99),
+            "step_p99_s": _pct([x for r in base_runs for x in r["step_s"]], 99),
             "cpu_busy": _spread([r["cpu_s"] / r["wall_s"] for r in base_runs]),
             "machine_busy": _spread([r.get("machine_busy", float("nan")) for r in base_runs])}}
         for name, rs in by.items():
@@ -592,10 +634,19 @@ def summarize(runs: Dict[str, Dict[str, List[Dict[str, Any]]]], walls: Dict[str,
             aft = [r["step_s"][s] for r in rs for s in after]
             at = [r["step_s"][s - 1] for r in rs for s in save_steps]
             saves = [d for r in rs for d in r.get("saves", [])]
+            flights = [in_flight(r) for r in rs]
+            busy = [x for f in flights for x in f[0]]
+            quiet = [x for f in flights for x in f[1]]
+            base_med = [statistics.median(b["step_s"]) for b in base_runs]
+            interference = [sum(x - m for x in f[0]) / n for f, m in zip(flights, base_med) if f[2]]
             res[name] = {
                 "overhead_per_save_s": _spread(over), "loss_pct": _spread(loss), "loss_every20_pct": _spread(loss20),
                 "save_step_p50_s": _pct(at, 50), "save_step_p99_s": _pct(at, 99),
                 "after_save_p50_s": _pct(aft, 50), "after_save_p99_s": _pct(aft, 99),
+                "in_flight_p50_s": _pct(busy, 50), "in_flight_p99_s": _pct(busy, 99),
+                "quiet_p50_s": _pct(quiet, 50), "quiet_p99_s": _pct(quiet, 99),
+                "in_flight_steps_per_save": _spread([float(c) for f in flights for c in f[2]]),
+                "interference_per_save_s": _spread(interference),
                 "wait_previous_s": _spread([d["wait_previous_s"] for d in saves]),
                 "call_s": _spread([d["call_s"] for d in saves]),
                 "before_step_s": _spread([d["before_step_s"] for d in saves]),
@@ -714,6 +765,15 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f}"
 
 
+def _flight_cells(r: Dict[str, Any]) -> str:
+    """The table's in-flight columns of one system: steps in flight p50/p99, how many per save, their cost."""
+    if not math.isfinite(r["in_flight_p50_s"]):
+        return f"{'-':>16}{'-':>5}{'-':>8}"
+    return (f"{_ms(r['in_flight_p50_s'])}/{_ms(r['in_flight_p99_s'])}".rjust(16)
+            + f"{r['in_flight_steps_per_save']['median']:>5.0f}"
+            + f"{_ms(r['interference_per_save_s']['median']):>8}")
+
+
 def _busy_text(baseline: Dict[str, Any]) -> str:
     busy = baseline.get("machine_busy", {}).get("median", float("nan"))
     return f"{100 * busy:.0f}% busy (all processes)" if math.isfinite(busy) else "busy: not recorded"
@@ -732,10 +792,11 @@ def format_table(out: Dict[str, Any]) -> str:
         what = ("sleep: host CPU idle, as under GPU kernels" if compute == "device"
                 else f"{c['host_passes']} MLP forward/backward passes on the CPU")
         lines += ["", f"== {compute} compute ({what}); baseline {b['wall_s']['median']:.2f} s, step "
-                      f"{_ms(b['step_s']['median'])} ms, after-save steps p50/p99 {_ms(b['after_save_p50_s'])}/"
-                      f"{_ms(b['after_save_p99_s'])} ms; machine CPU {_busy_text(b)}",
+                      f"{_ms(b['step_s']['median'])} ms, p99 {_ms(b['step_p99_s'])} ms, after-save steps p50/p99 "
+                      f"{_ms(b['after_save_p50_s'])}/{_ms(b['after_save_p99_s'])} ms; machine CPU {_busy_text(b)}",
                   f"{'system':<19}{'per-save overhead ms':>26}{'loss %':>8}{'loss/20':>8}{'prev':>7}{'call':>7}"
-                  f"{'pre-opt':>8}{'save step':>16}{'after save':>16}{'verified':>9}"]
+                  f"{'pre-opt':>8}{'save step':>16}{'after save':>16}{'in flight':>16}{'n':>5}{'interf':>8}"
+                  f"{'verified':>9}"]
         for name, r in s.items():
             if name == "baseline":
                 continue
@@ -747,6 +808,7 @@ def format_table(out: Dict[str, Any]) -> str:
                 + f"{_ms(r['before_step_s']['median'] + r.get('staged_wait_s', {}).get('median', 0.0)):>8}"
                 + f"{_ms(r['save_step_p50_s'])}/{_ms(r['save_step_p99_s'])}".rjust(16)
                 + f"{_ms(r['after_save_p50_s'])}/{_ms(r['after_save_p99_s'])}".rjust(16)
+                + _flight_cells(r)
                 + f"{r['verified']:>9}")
         if compute == "host" and out.get("saturated"):
             lines.append(f"  NOTE: {out['saturated']}")
@@ -756,7 +818,10 @@ def format_table(out: Dict[str, Any]) -> str:
     lines += ["", "per-save overhead = (wall time with saves - baseline) / saves; loss = 1 - baseline / with saves; "
               f"loss/20: the loss of a save every {EVERY_20} steps, computed from the same overhead; prev / call / "
               "pre-opt: medians per save of the wait for the previous save, the call, the wait before the next "
-              "optimizer step (ms); save step / after save: p50/p99 of the step that saves and of the next one (ms)"]
+              "optimizer step (ms); save step / after save: p50/p99 of the step that saves and of the next one (ms); "
+              "in flight: p50/p99 of the other steps run while a nostall background save was in flight (from its call "
+              "until its writer was done), n: how many per save (median), interf: what they cost per save against "
+              "the baseline's median step (ms); '-': not a nostall background save"]
     total = sum(out["verified"].values())
     lines.append(f"checkpoints verified against the state at their save: {total} "
                  f"({', '.join(f'{k} {v}' for k, v in out['verified'].items())}); mismatches: "
