@@ -257,7 +257,7 @@ class History:
         self.save_id = ""
         self.base = Base()
         self.verified: Verified = {}
-        self._handed: Optional[Tuple[str, Base]] = None  # the last job given a base, and that base
+        self._handed: Optional[Tuple[str, Dict[PieceId, int]]] = None  # the last job given a base: its probes
 
     def base_for(self, job: SaveJob) -> Optional[Base]:
         """What ``job`` may reuse: None for a full save; an empty base for an incremental save that has
@@ -270,7 +270,7 @@ class History:
             base = self.base.for_job(job.dest.root, self.verified, exclude=job.dest.name + "/")
         else:
             base = Base()
-        self._handed = (job.save_id, base)
+        self._handed = (job.save_id, base.seen)  # not the base itself: it may hold a read-back buffer
         return base
 
     def committed(self, job: SaveJob, done_placed: Dict[PlannedPiece, Placed], files: Dict[str, FileRecord],
@@ -286,7 +286,7 @@ class History:
         pieces = {ids[k]: Placed(rel(p.file), p.start, p.end, p.crc32c, p.digest)
                   for k, p in done_placed.items() if k in ids and p.digest}
         handed, self._handed = self._handed, None
-        seen = handed[1].seen if handed is not None and handed[0] == job.save_id else {}
+        seen = handed[1] if handed is not None and handed[0] == job.save_id else {}
         self.save_id = job.save_id
         self.base = Base(pieces, {rel(n): FileRecord(rel(n), f.rank, f.size) for n, f in files.items()},
                          probes={k: v for k, v in seen.items() if k in pieces})
