@@ -285,3 +285,64 @@ def test_a_stream_offset_inside_a_block_is_refused_by_the_writer():
         upto(100 + 2048 + 512)
     with pytest.raises(RuntimeError, match="header"):
         stream_segments(job)(50)
+
+
+# --------------------------------------------------------------------------- two ranks
+
+
+def _one_rank_breaks_its_stream(rank, world, root):
+    import time as _time
+    import types as _types
+
+    import torch
+
+    import nostall
+    from nostall.saving import saver
+
+    def shard(t):
+        return nostall.ShardedTensor(t, (2 * t.shape[0], t.shape[1]), (rank * t.shape[0], 0))
+
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(1024, 1024, generator=g), torch.randn(256, 1024, generator=g)
+    mgr = nostall.CheckpointManager(f"{root}/run", async_save=True, overlap=True, block_size=BLOCK, timeout=60)
+    mgr.save(1, {"a": shard(a), "b": shard(b)}).result()
+    held = HeldCopy(hold_at=2)
+    clock = _types.SimpleNamespace(**{n: getattr(_time, n) for n in dir(_time) if not n.startswith("_")})
+    clock.sleep = held.sleep
+    saver.time = clock  # this rank process's saver clock, put back below
+    try:
+        if rank == 1:
+            mgr._faults.stage_delay_s = 0.001  # rank 1's copy is held after its first chunk, then fails
+        keep = b.clone()
+        h = mgr.save(2, {"a": shard(a * 2), "b": shard(b)})
+        if rank == 1:
+            held.wait_reached()
+            b.set_(torch.zeros(3))
+            held.release()
+        try:
+            h.result()
+            failed = ""
+        except nostall.CheckpointSaveError as e:
+            failed = str(e)
+        b.set_(keep)
+        mgr._faults.stage_delay_s = 0.0
+    finally:
+        held.release()
+        saver.time = _time
+    steps = mgr.steps()
+    mgr.save(3, {"a": shard(a * 3), "b": shard(b)}).result()
+    got = {"a": shard(torch.zeros_like(a)), "b": shard(torch.zeros_like(b))}
+    mgr.load(got, 3)
+    ok = torch.equal(got["a"].data, a * 3) and torch.equal(got["b"].data, b)
+    mgr.load(got, 1)
+    ok1 = torch.equal(got["a"].data, a) and torch.equal(got["b"].data, b)
+    final = mgr.steps()
+    mgr.close()
+    return failed, steps, ok, ok1, final
+
+
+def test_a_copy_error_mid_stream_on_one_rank_fails_the_save_on_every_rank_and_the_next_one_works(pool2, tmp_path):
+    out = pool2.run(_one_rank_breaks_its_stream, str(tmp_path))
+    for rank, (failed, steps, ok, ok1, final) in enumerate(out):
+        assert "step 2" in failed and "rank 1" in failed, (rank, failed)
+        assert steps == [1] and final == [1, 3] and ok and ok1, (rank, steps, final, ok, ok1)
