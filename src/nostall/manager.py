@@ -45,6 +45,9 @@ class _Preemption:
     It holds no reference to its manager (a dropped manager is collected as
     before); once its manager closed it is inactive and only forwards, with
     the signal's default action (a normal exit) where it replaced that.
+    The uncut calls: ``save``, ``prepare``, ``any_rank_preempted`` (collectives
+    the other ranks would wait in), ``finalize_pending_saves``, a handle's
+    ``result()``, ``close``.
     """
 
     def __init__(self, signum: int, previous: Any, exit: bool) -> None:
@@ -373,8 +376,9 @@ class CheckpointManager:
         :class:`~nostall.CheckpointError`).
         """
         self._check_open()
-        with self._lock:
+        with self._shielded(), self._lock:  # not cut half-way by the signal: the others would wait for this rank
             self._check_open()
+            self._note_preemption()
             if self._comm.size == 1:
                 return self.preempted
             return any(self._comm.all_gather(self.preempted))
@@ -475,7 +479,7 @@ class CheckpointManager:
         first step).
         """
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "prepare")
-        with self._lock:
+        with self._shielded(), self._lock:
             self._check_open(writing=True)
             plan = self._saver.plan(training.state(self.world_size) if training is not None else state)
             if self._writer is not None:

@@ -30,6 +30,7 @@ import signal
 import threading
 import time
 
+import pytest
 import torch
 
 import nostall
@@ -176,15 +177,22 @@ def _trial(root: str, out_dir: str, kind: str, seed: int, rng: random.Random):
             "newest_committed": newest is not None and latest is not None and latest >= newest}
 
 
+TRIALS = int(os.environ.get("NOSTALL_SOAK_PREEMPT", "4"))
+
+
+@pytest.mark.timeout(120 + 60 * TRIALS)  # a hang guard: a trial takes 5-15 s on 2 busy cores
 def test_sigterm_at_random_points_of_a_two_rank_loop(tmp_path):
-    n = int(os.environ.get("NOSTALL_SOAK_PREEMPT", "4"))
+    n = TRIALS
     seed = int(os.environ.get("NOSTALL_PREEMPT_SEED", "20261203"))
     rng = random.Random(seed)
     root = str(tmp_path / "run")
     outcomes = []
     for i in range(n):
         outcomes.append(_trial(root, str(tmp_path / f"trial{i}"), KINDS[i % len(KINDS)], seed + i, rng))
-    committed = sum(o["newest_committed"] for o in outcomes)
-    print(f"\npreemption trials: {n} (seed {seed}); newest returned save committed in {committed}; "
-          f"previous kept in {sum(1 for o in outcomes if o['newest_returned'] is not None) - committed}; "
-          f"no save returned before the signal in {sum(1 for o in outcomes if o['newest_returned'] is None)}")
+    print(f"\npreemption trials: {n} (seed {seed}); per kind: trials, newest returned save committed, previous "
+          "kept latest, no save returned before the signal")
+    for kind in KINDS:
+        mine = [o for o in outcomes if o["kind"] == kind]
+        committed = sum(o["newest_committed"] for o in mine)
+        none = sum(o["newest_returned"] is None for o in mine)
+        print(f"  {kind}: {len(mine)}, {committed}, {len(mine) - committed - none}, {none}")
