@@ -12,7 +12,7 @@ that writes (the background writer for an async save: the trainer's stall
 does not grow). A piece that is sure to be written (no base, or a *probe* --
 a 64-bit hash of three small samples of its bytes, remembered per piece in
 :class:`History` -- differs from the base's) is hashed beside its write, in
-the checksum thread, so that the digest costs no time on top of the write;
+the checksum thread, so that the digest need not add to the write's time;
 only a piece that may be unchanged is hashed before anything is decided.
 When the job names a ``base`` -- the rank's previous committed save -- and
 :class:`History` holds that save's pieces, a piece whose identity
