@@ -45,7 +45,7 @@ from nostall.saving.background import BackgroundWriter
 from nostall.saving.commit import Barrier, run_job
 from nostall.saving.datafiles import History, write_files
 from nostall.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
-from nostall.core.format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name
+from nostall.core.format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name, gc_paused
 from nostall.handles import SaveStats
 from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
 from nostall.core.model import FlatState, flatten
@@ -426,6 +426,8 @@ class Saver:
 
 
     # ------------------------------------------------------------------ synchronous
+    @gc_paused()  # a save makes ~7 short-lived objects a tensor: collections of them were most of many small
+    # tensors' stall (10,000: ~100 minor and a full one every other save); reference counting frees them
     def save(self, state: Any, template: Destination, t_call: Optional[float] = None,
              side: Optional[Mapping[str, Any]] = None) -> SaveStats:
         """A synchronous save; returns once committed (collective).
@@ -463,6 +465,7 @@ class Saver:
         return stats
 
     # ------------------------------------------------------------------ asynchronous
+    @gc_paused()  # (as save)
     def save_async(self, state: Any, template: Destination, writer: BackgroundWriter, t_call: Optional[float] = None,
                    *, overlap: bool = False, stage_now: Optional[Callable[[str], bool]] = None,
                    side: Optional[Mapping[str, Any]] = None) -> PendingSave:
