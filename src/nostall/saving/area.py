@@ -113,9 +113,10 @@ def cut_chunks(files: Sequence[FilePlan], capacity: int, block_size: int) -> Lis
     return [c for c in chunks if c]
 
 
-STREAM_CHUNKS = 64
-"""A streamed copy goes in about this many chunks: the first write waits for 1/64 of the copy, and the messages
-(tens of bytes each) always fit in the socket's buffer, so the copy never waits for the writer."""
+STREAM_CHUNKS = 16
+"""A streamed copy goes in about this many chunks: the first write waits for 1/16 of the copy (a few ms for
+256 MiB), the writer wakes up for a new chunk at most this many times, and the messages (tens of bytes each)
+always fit in the socket's buffer, so the copy never waits for the writer."""
 
 
 @dataclass
