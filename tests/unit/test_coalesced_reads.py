@@ -174,6 +174,15 @@ def arenas(monkeypatch) -> _Made:
     return made
 
 
+def _flip_byte(path: str, piece, at: int) -> None:
+    """Flip one bit of the stored byte ``at`` of ``piece`` (a corrupt block)."""
+    with open(os.path.join(path, piece.file), "r+b") as f:
+        f.seek(piece.start + at)
+        b = f.read(1)
+        f.seek(piece.start + at)
+        f.write(bytes([b[0] ^ 1]))
+
+
 def _alive(made) -> int:
     gc.collect()
     return sum(r() is not None for r in made)
@@ -188,12 +197,7 @@ def test_span_arenas_are_the_loads_own_and_go_with_it(tmp_path, arenas):
     assert torch.equal(out["a"].data, saved["a"][:, 20:])
     assert arenas and _alive(arenas) == 0
     m = read_manifest(path)
-    p = m.tensors["a"].pieces[2]
-    with open(os.path.join(path, p.file), "r+b") as f:
-        f.seek(p.start + 5)
-        b = f.read(1)
-        f.seek(p.start + 5)
-        f.write(bytes([b[0] ^ 1]))
+    _flip_byte(path, m.tensors["a"].pieces[2], 5)
     n = len(arenas)
     with pytest.raises(nostall.CheckpointCorruptError, match="checksum mismatch"):
         nostall.load(tpl, path)
@@ -251,12 +255,7 @@ def test_gathered_reads_skip_the_gap_of_a_key_not_loaded_and_catch_a_flipped_byt
     assert torch.equal(out["x"], saved["x"]) and torch.equal(out["z"], saved["z"])
     assert assert_each_byte_once(reads) == 1  # x, the gap of y, z: one read
     m = read_manifest(path)
-    z = m.tensors["z"].pieces[0]
-    with open(os.path.join(path, z.file), "r+b") as f:
-        f.seek(z.start + 300)
-        b = f.read(1)
-        f.seek(z.start + 300)
-        f.write(bytes([b[0] ^ 1]))
+    _flip_byte(path, m.tensors["z"].pieces[0], 300)
     with pytest.raises(nostall.CheckpointCorruptError, match="checksum mismatch.*'z'"):
         nostall.load({"x": torch.zeros(300), "z": torch.zeros(200)}, path, strict=False)
 

@@ -737,25 +737,18 @@ def _int(x: Any, what: str) -> int:
     return x
 
 
-def _ints(x: Any, what: str) -> Tuple[int, ...]:
-    if type(x) is not list:
-        raise TypeError(f"{what!r} must be a JSON array, not {_json_type(x)}")
-    t = tuple(x)
-    for v in t:
-        if type(v) is not int:
-            raise TypeError(f"{what!r} must be an integer, not {_json_type(v)}")
-    return t
-
-
-def _box_ints(x: Any, key: str, field: str, seen: Dict[Any, Any]) -> Tuple[int, ...]:
-    """:func:`_ints` for a shape or offset, one tuple kept per distinct value (``seen``): a manifest repeats
-    a few shapes over millions of pieces."""
+def _ints(x: Any, key: str, field: str, seen: Optional[Dict[Any, Any]] = None) -> Tuple[int, ...]:
+    """The integers of JSON array ``x`` (field ``field`` of ``key``: named only in an error, the message made then)
+    as a tuple; with ``seen``, one tuple kept per distinct value (a manifest repeats a few shapes and offsets
+    over millions of pieces)."""
     if type(x) is not list:
         raise TypeError(f"'{key}: {field}' must be a JSON array, not {_json_type(x)}")
     t = tuple(x)
     for v in t:
         if type(v) is not int:
             raise TypeError(f"'{key}: {field}' must be an integer, not {_json_type(v)}")
+    if seen is None:
+        return t
     got: Tuple[int, ...] = seen.setdefault(t, t)
     return got
 
@@ -767,7 +760,7 @@ def _json_type(x: Any) -> str:
 
 
 def _tensor_rec(key: str, t: Any, seen: Dict[Any, Any]) -> TensorRecord:
-    """The record of ``key`` in a parsed manifest, every field checked (``seen``: see :func:`_box_ints`)."""
+    """The record of ``key`` in a parsed manifest, every field checked (``seen``: see :func:`_ints`)."""
     t = _obj(t, f"tensor {key}")
     pieces = []
     for p in _list(t["pieces"], f"{key}: pieces"):
@@ -775,19 +768,19 @@ def _tensor_rec(key: str, t: Any, seen: Dict[Any, Any]) -> TensorRecord:
             raise TypeError(f"'{key}: piece' must be a JSON object, not {_json_type(p)}")
         byte_range = p["byte_range"]
         if type(byte_range) is not list or len(byte_range) != 2:
-            byte_range = _ints(byte_range, f"{key}: byte_range")
+            byte_range = _ints(byte_range, key, "byte_range")
             raise ValueError(f"{key!r}: byte_range must hold 2 integers, not {len(byte_range)}")
         start, end = byte_range
         if type(start) is not int or type(end) is not int:
-            _ints(byte_range, f"{key}: byte_range")
+            _ints(byte_range, key, "byte_range")
         file = p["file"]
         if type(file) is not str:
             raise TypeError(f"{key!r}: file must be a string, not {_json_type(file)}")
         file = seen.setdefault(file, file)  # one string per file, as for shapes
         rec = _new(PieceRecord)  # PieceRecord(...) without the frozen dataclass's per-field setattr
-        rec.__dict__.update(offset=_box_ints(p["offset"], key, "offset", seen),
-                            shape=_box_ints(p["shape"], key, "shape", seen), file=file, start=start, end=end,
-                            crc32c=_ints(p["crc32c"], f"{key}: crc32c"), digest=_digest(p.get("xxh3_128", ""), key))
+        rec.__dict__.update(offset=_ints(p["offset"], key, "offset", seen),
+                            shape=_ints(p["shape"], key, "shape", seen), file=file, start=start, end=end,
+                            crc32c=_ints(p["crc32c"], key, "crc32c"), digest=_digest(p.get("xxh3_128", ""), key))
         pieces.append(rec)
     code = t["dtype"]
     if not isinstance(code, str):
@@ -800,7 +793,7 @@ def _tensor_rec(key: str, t: Any, seen: Dict[Any, Any]) -> TensorRecord:
     if not isinstance(tied_to, str) or ("tied_to" in t and not tied_to):
         what = "an empty string" if tied_to == "" else _json_type(tied_to)
         raise TypeError(f"{key!r}: tied_to must be a non-empty string (a key), not {what}")
-    return TensorRecord(key, code, _box_ints(t["shape"], key, "shape", seen), sharded, tuple(pieces), tied_to)
+    return TensorRecord(key, code, _ints(t["shape"], key, "shape", seen), sharded, tuple(pieces), tied_to)
 
 
 def _digest(x: Any, key: str) -> str:
