@@ -72,7 +72,8 @@ class Faults:
 
     ``writer_delay_s``: the writing of a save's files sleeps this long first.
     ``writer_fault``: ``"enospc"`` fails the writing of the files like a full disk.
-    ``stage_delay_s``: the copy into host memory (async saves) sleeps this long.
+    ``stage_delay_s``: the copy into host memory (async saves) sleeps this long (before each chunk, when the
+    copy goes in chunks: a budget's, or an overlapped save's streamed ones).
     ``fail``: storage operation -> errno, raised as ``OSError`` when the
     operation runs (operations: ``"latest"``, ``"outcome"``, ``"manifest"``,
     ``"record"``); ``fail_times`` limits how often (default: every time).

@@ -286,6 +286,8 @@ class _Server:
             self.save(msg.job)
         elif msg.op is Op.PING:
             self.conn.send(Msg(Op.PONG, size=os.getpid()))
+        # Anything else is dropped: a CHUNK (or CHUNK_ABORT) that arrives after its job already failed and
+        # reported (a streamed copy does not wait for the writer, so its later chunks may still come).
 
     def lower_priority(self) -> None:
         """Yield CPU and I/O to the trainer from now on (once: the writer is ready)."""
