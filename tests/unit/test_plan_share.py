@@ -78,3 +78,17 @@ def test_replica_check_compares_every_box_of_a_key_copied_across_groups():
     problem = replicas.disagreements(shared, [{"w": 1}, {"w": 2}, {"w": 1}, {"w": 9}])
     assert problem is not None and "ranks 1 and 3" in problem
     assert replicas.disagreements(shared, [{"w": 1}, {"w": 2}, {"w": 1}, {"w": 2}]) is None
+
+
+@pytest.mark.parametrize("ranks,tensors", [(1, 5), (2, 10), (8, 20), (16, 7)])
+def test_shared_keys_equal_the_one_pass_scan_in_any_key_order(ranks, tensors):
+    metas = synthetic_metas(ranks, tensors)
+    assert replicas.shared_keys(metas) == replicas.scan_shared_keys(metas)
+    assert list(replicas.shared_keys(metas)) == list(replicas.scan_shared_keys(metas))  # same key order
+    # one rank listing its keys in another order takes the general path: the same answer
+    shuffled = [RankMeta(tuple(reversed(metas[0].tensors)), metas[0].per_rank)] + list(metas[1:])
+    assert replicas.shared_keys(shuffled) == replicas.scan_shared_keys(metas)
+    # a TP weight copied across DP groups, mixed with a key every rank holds alone
+    tp = [RankMeta((TensorMeta("w", "F32", (2, 4), (0, 2 * (r % 2)), (2, 2), True, r < 2),
+                    TensorMeta("e", "F32", (4,), (r,), (1,), True, True)), ()) for r in range(4)]
+    assert replicas.shared_keys(tp) == replicas.scan_shared_keys(tp) == {"w": ((0, 2), (1, 3))}

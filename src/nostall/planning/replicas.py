@@ -25,16 +25,18 @@ Example::
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from operator import attrgetter
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
 from nostall.core.tensorbuf import byte_view, host_contiguous
 from nostall.core.model import FlatState
 
-__all__ = ["shared_keys", "digests", "disagreements"]
+__all__ = ["shared_keys", "scan_shared_keys", "digests", "disagreements"]
 
 _CHUNK = 64 << 20  # bytes copied from a device at a time
+_BOX = attrgetter("offset", "shape")
 
 
 def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[Tuple[int, ...], ...]]:
@@ -53,14 +55,41 @@ def shared_keys(metas: Sequence[object]) -> Dict[str, Tuple[Tuple[int, ...], ...
     >>> shared_keys([tp(r) for r in range(4)])
     {'w': ((0, 2), (1, 3))}
     """
+    keys0 = [t.key for t in metas[0].tensors] if metas else []  # type: ignore[attr-defined]
+    if len(set(keys0)) == len(keys0) and all([t.key for t in m.tensors] == keys0  # type: ignore[attr-defined]
+                                             for m in metas[1:]):
+        # every rank lists the same keys in the same order (the usual case): one key's boxes at a time, and a
+        # key whose every rank holds a box of its own (FSDP-like) or the same box (replicated) settled at once
+        out: Dict[str, Tuple[Tuple[int, ...], ...]] = {}
+        ranks = tuple(range(len(metas)))
+        for key, column in sorted(zip(keys0, zip(*(m.tensors for m in metas))),  # type: ignore[attr-defined]
+                                  key=lambda kc: kc[0]):
+            bl = list(map(_BOX, column))
+            distinct = set(bl)
+            if len(distinct) == len(bl):
+                continue
+            if len(distinct) == 1:
+                out[key] = (ranks,)
+            else:
+                by_box: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], List[int]] = {}
+                for r, box in enumerate(bl):
+                    by_box.setdefault(box, []).append(r)
+                out[key] = tuple(tuple(g) for _, g in sorted(by_box.items()) if len(g) > 1)
+        return out
+    return scan_shared_keys(metas)
+
+
+def scan_shared_keys(metas: Iterable[object]) -> Dict[str, Tuple[Tuple[int, ...], ...]]:
+    """:func:`shared_keys` in one pass over ``metas`` (any iterable, each rank's metadata let go once read: a
+    benchmark of many ranks streams them), every (key, box) held counted alike."""
     boxes: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], List[int]] = {}
     for r, m in enumerate(metas):
         for t in m.tensors:  # type: ignore[attr-defined]
             boxes.setdefault((t.key, t.offset, t.shape), []).append(r)
     groups: Dict[str, List[Tuple[int, ...]]] = {}
-    for (key, _off, _shape), ranks in sorted(boxes.items()):
-        if len(ranks) > 1:
-            groups.setdefault(key, []).append(tuple(ranks))
+    for (key, _off, _shape), held in sorted(boxes.items()):
+        if len(held) > 1:
+            groups.setdefault(key, []).append(tuple(held))
     return {k: tuple(g) for k, g in groups.items()}
 
 

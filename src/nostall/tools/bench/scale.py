@@ -358,7 +358,7 @@ def _planning_point(ranks: int, tensors: int, reps: int, measure: bool) -> Dict[
         share_pickle = share_pickles[other]
         del share_pickles
     else:
-        shared = replicas.shared_keys(sent.metas())  # type: ignore[arg-type]
+        shared = replicas.scan_shared_keys(sent.metas())
         point["pieces"] = len(sent.boxes) + sent.per_rank
         sent.boxes = set()
         copies = replicas.copies_of(shared, ranks)
