@@ -264,7 +264,7 @@ class BackgroundWriter:
         """Wait (bounded) until the writer finished what it does after reporting its last job: on rank 0,
         retention and the sweep. The next job waits for them anyway; this is for a caller that looks (a load,
         ``finalize_pending_saves``). A writer that died meanwhile only left them undone (the next commit
-        runs retention again)."""
+        runs retention again, and the next manager that claims the root collects a retention cut short)."""
         if not self._behind or self.job is not None or self._conn is None or not self.alive():
             return
         try:
