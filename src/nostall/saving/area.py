@@ -282,25 +282,17 @@ class StagingArea:
 
     def copy_chunk(self, chunk: StreamChunk, source: Callable[[WriteItem], torch.Tensor]) -> None:
         """Copy one chunk of a streamed copy into place; its bytes are in host memory when this returns."""
-        area = self.tensor
         copier = _Copier(self)
         for pos, item, first, last in chunk.copies:
-            copier.copy(source(item), item.key, first, last, item.end - item.start, area[pos : pos + last - first])
+            copier.copy(source(item), item.key, first, last, item.end - item.start, pos)
         copier.finish()
 
     def _copy_items(self, todo: Sequence[Tuple[int, WriteItem]], source: Callable[[WriteItem], torch.Tensor]) -> None:
-        area = self.tensor
-        at = area.data_ptr()
         copier = _Copier(self)
         for pos, item in todo:
             n = item.end - item.start
-            if not n:
-                continue
-            src = source(item)
-            if src.device.type == "cpu" and src.is_contiguous() and src.numel() * src.element_size() == n:
-                ctypes.memmove(at + pos, src.data_ptr(), n)  # as the copier would, without a view of the area
-            else:
-                copier.copy(src, item.key, 0, n, n, area[pos : pos + n])
+            if n:
+                copier.copy(source(item), item.key, 0, n, n, pos)
         copier.finish()
 
     def stage_chunk(self, cuts: Sequence[_Cut], half: int, files: Sequence[FilePlan],
@@ -312,12 +304,13 @@ class StagingArea:
         segs = []
         for c in cuts:
             s = c.seg
-            dst = area[base + s.area_offset : base + s.area_offset + (s.end - s.start)]
+            pos = base + s.area_offset
             if c.item is None:
-                dst.copy_(torch.frombuffer(bytearray(files[s.file].header), dtype=torch.uint8))
+                area[pos : pos + (s.end - s.start)].copy_(torch.frombuffer(bytearray(files[s.file].header),
+                                                                           dtype=torch.uint8))
             else:
                 copier.copy(source(c.item), c.item.key, c.item_offset, c.item_offset + (s.end - s.start),
-                            c.item.end - c.item.start, dst)
+                            c.item.end - c.item.start, pos)
             segs.append(Segment(s.file, s.start, s.end, base + s.area_offset))
         copier.finish()
         return segs
@@ -350,17 +343,18 @@ class _Copier:
         self.area = area
         self.streams: dict = {}  # device -> side stream
 
-    def copy(self, src: torch.Tensor, key: str, first: int, last: int, total: int, dst: torch.Tensor) -> None:
-        """Bytes [first, last) of ``src``'s row-major image (``total`` bytes planned) into ``dst`` (uint8)."""
+    def copy(self, src: torch.Tensor, key: str, first: int, last: int, total: int, pos: int) -> None:
+        """Bytes [first, last) of ``src``'s row-major image (``total`` bytes planned) into the area at ``pos``."""
         size = src.element_size()
         if src.numel() * size != total or first % size or last % size:
             raise RuntimeError(f"key {key!r}: {src.numel() * size} bytes, the plan expects {total} "
                                f"(copying bytes [{first}, {last}))")
-        if src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous():
-            # one memcpy (GIL released): a third of the cost of torch's copy_ for the many small tensors of
-            # an MoE or per-layer state, where the per-call overhead is most of the time
-            ctypes.memmove(dst.data_ptr(), src.data_ptr() + first, last - first)
+        if src.device.type == "cpu" and src.is_contiguous():
+            # one memcpy (GIL released), no view of the area made: a third of the cost of torch's copy_ for
+            # the many small tensors of an MoE or per-layer state, where the per-call overhead is most of it
+            ctypes.memmove(self.area.tensor.data_ptr() + pos, src.data_ptr() + first, last - first)
             return
+        dst = self.area.tensor[pos : pos + (last - first)]
         src = src.detach()
         if src.device.type not in ("cpu", "cuda"):
             src = src.to("cpu")
