@@ -332,6 +332,7 @@ def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, che
     """:func:`execute_all`'s reads: each file's spans in file order, each read, handed to ``checks`` and
     scattered."""
     gathered: List[Blocks] = []  # pieces read straight into their tensors, checked together
+    held = 0  # their bytes
     for name in sorted(spans):
         path = files.path(name)
         prev: Optional[Tuple[_Span, memoryview]] = None
@@ -342,10 +343,12 @@ def _execute_files(spans: Dict[str, List[_Span]], files: DataFiles, bs: int, che
                     if len(item.needs) == 1 and at.piece.nbytes >= DIRECT_MIN:
                         _read_whole(at, files, bs, checks)
                     else:
-                        gathered += _read_gathered(item, files, name, path)
-                        if sum(len(b[0]) for b in gathered) >= VERIFY_WINDOW:
+                        got = _read_gathered(item, files, name, path)
+                        gathered += got
+                        held += sum(len(b[0]) for b in got)
+                        if held >= VERIFY_WINDOW:
                             checks.check_all(gathered, bs)
-                            gathered = []
+                            gathered, held = [], 0
                     continue
                 buf = _read_span(item, prev, files, name, ring)
                 ring.check(_to_check(item, prev, buf, path, bs))
