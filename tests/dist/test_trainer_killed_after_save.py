@@ -1,16 +1,15 @@
 """Issue 27: a trainer SIGKILLed right after ``save()`` returned (async): is the staged snapshot persisted?
 
 Every rank's snapshot of step 2 is staged and handed to its background
-writer, then every trainer SIGKILLs itself at once (as an OOM killer, or a
-scheduler's SIGKILL at the end of a grace period, would). Today each writer
-kills itself within 0.1 s of its trainer (it watches its parent, so that an
-orphan never commits into a root a restarted job took over), so step 2 is
-lost and step 1 stays latest: ``test_nothing_half_committed_and_no_writer_left``
-checks what must hold either way, and
-``test_a_snapshot_staged_on_every_rank_is_still_persisted`` states the goal
-of issue 27 (a strict xfail until the writer finishes a fully staged job
-after its trainer's death: docs/reliability.md, "Preemption"). Today step 1
-stays latest, whole, and loads bit-exact.
+writer whole, then every trainer SIGKILLs itself at once (as an OOM killer,
+or a ``kill -9`` of the trainer's pid, would). Each writer, now an orphan,
+finishes the job it was handed whole (rank 0's holding the root's lock,
+which its trainer shared with it) and exits: step 2 is committed and loads
+bit-exact, and no writer is left (docs/protocol.md, "Lifetime").
+``test_nothing_half_committed_and_no_writer_left`` checks what must hold
+whatever the outcome; ``tests/dist/test_orphan_writer.py`` the cases where an
+orphan must not finish (a job not handed over whole) and a restarted job
+that waits for an orphan.
 """
 
 from __future__ import annotations
@@ -91,8 +90,6 @@ def test_nothing_half_committed_and_no_writer_left(killed):
         assert not os.path.exists(os.path.join(root, "step_2"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27: a writer dies with its trainer, even with its job fully staged "
-                                       "(saving/background.py's watchdog); see docs/reliability.md, Preemption")
 def test_a_snapshot_staged_on_every_rank_is_still_persisted(killed):
     root, _ = killed
     latest, _ = _load_latest(root)

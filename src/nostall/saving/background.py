@@ -34,21 +34,31 @@ log = logging.getLogger("nostall")
 _POLL_S = 0.1
 # A fresh interpreter running nostall.saving.writer.main (imported, so that the
 # messages it pickles name nostall.saving.writer's classes, not __main__'s).
-# A writer must never outlive its trainer: an orphan still writing or committing could touch a root
-# that a restarted job has taken over. So its first lines start a watchdog thread that kills it once
-# its parent is no longer the trainer, before anything is imported (the imports take 0.2 s, more on a
-# busy machine, and a trainer may die meanwhile). Not PR_SET_PDEATHSIG: that fires when the *thread*
-# that started the process exits.
+# An orphan writer (its trainer died) may only finish a job handed over whole, bounded, and rank 0's only while
+# it holds the root's lock (docs/protocol.md, "Lifetime"): anything else it might write or commit could touch a
+# root that a restarted job has taken over. So its first lines start a watchdog thread that, once its parent is
+# no longer the trainer, asks the writer (``main`` puts its question in ``_orphan``) how long to live on, every
+# 0.1 s, and kills the process when the answer is 0 -- at once when nothing is imported yet (the imports take
+# 0.2 s, more on a busy machine, and a trainer may die meanwhile). Not PR_SET_PDEATHSIG: that fires when the
+# *thread* that started the process exits. argv: the socket's fd, the trainer's pid, the root lock's fd (-1: none).
 _WRITER_MAIN = (
     "import os, signal, sys, threading, time\n"
+    "_orphan = []\n"
+    "def _live():\n"
+    "    try:\n"
+    "        return _orphan[0]() if _orphan else 0.0\n"
+    "    except BaseException:\n"
+    "        return 0.0\n"
     "def _watch(trainer=int(sys.argv[2])):\n"
     "    while os.getppid() == trainer:\n"
+    "        time.sleep(0.1)\n"
+    "    while _live() > 0:\n"
     "        time.sleep(0.1)\n"
     "    os.kill(os.getpid(), signal.SIGKILL)\n"
     "if int(sys.argv[2]):\n"
     "    threading.Thread(target=_watch, name='nostall-trainer-watch', daemon=True).start()\n"
     "from nostall.saving.writer import main\n"
-    "sys.exit(main(int(sys.argv[1])))\n"
+    "sys.exit(main(int(sys.argv[1]), int(sys.argv[3]), _orphan))\n"
 )
 
 
@@ -90,10 +100,13 @@ class BackgroundWriter:
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env[ROLE_ENV] = "writer"
         env[LOG_LEVEL_ENV] = str(logging.getLogger("nostall").getEffectiveLevel())
+        # rank 0: the root's lock, shared, so that it stays held while an orphan writer finishes a whole job
+        lock = self.root.held_lock() if self.root is not None else None
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WRITER_MAIN, str(child.fileno()), str(os.getpid())],
-                pass_fds=[child.fileno()],
+                [sys.executable, "-c", _WRITER_MAIN, str(child.fileno()), str(os.getpid()),
+                 str(-1 if lock is None else lock)],
+                pass_fds=[child.fileno()] + ([] if lock is None else [lock]),
                 stdin=subprocess.DEVNULL,
                 env=env,
                 close_fds=True,

@@ -312,6 +312,7 @@ def _write_part(job: SaveJob, write: Writer, barrier: Barrier, history: Optional
     try:
         if job.faults.writer_delay_s:
             time.sleep(job.faults.writer_delay_s)
+        job.faults.wait_gate(deadline)
         _drop_previous_records(job)
         barrier.begin(job)
         staging = root.open_staging(dest, job.rank)

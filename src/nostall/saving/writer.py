@@ -22,21 +22,24 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import select
 import signal
 import socket
 import sys
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tuple
 
-from nostall.saving.commit import RecordBarrier, run_job
+from nostall.saving.commit import COMMIT_SLACK_S, RecordBarrier, run_job
 from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, report_pacing, write_files
 from nostall.errors import CheckpointSaveError
 from nostall.core.format import Manifest, TensorRecord
-from nostall.core.jobs import FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
+from nostall.core.jobs import Done, FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
 from nostall.storage import files as storage
+from nostall.storage.root import lock_record
 
 log = logging.getLogger("nostall")
 
@@ -254,10 +257,35 @@ def _exit_now() -> NoReturn:
     os._exit(0)
 
 
-class _Server:
-    """The writer process's state between messages: the channel, the mapped staging area, the history."""
+ORPHAN_DRAIN_S = 2.0
+"""How long a writer whose trainer died, with no job in hand, may still read what the trainer sent before dying."""
+ORPHAN_SLACK_S = COMMIT_SLACK_S / 4
+"""An orphan finishing a whole job lives at most the job's ``timeout`` plus this from the job's start (rank 0
+announces the outcome by then)."""
 
-    def __init__(self, fd: int) -> None:
+
+class _Barrier(RecordBarrier):
+    """The ranks' records on the root, telling the server when this rank (not rank 0) has reported its part:
+    a writer whose trainer is gone has nothing left to do then."""
+
+    def __init__(self, server: "_Server") -> None:
+        self.server = server
+
+    def gather(self, job: SaveJob, mine: Done, deadline: float) -> Dict[int, Done]:
+        got = super().gather(job, mine, deadline)
+        if job.rank != 0:
+            self.server.reported()
+        return got
+
+
+class _Server:
+    """The writer process's state between messages: the channel, the mapped staging area, the history.
+
+    Also what the watchdog asks once the trainer is gone (:meth:`live_on`, from its own thread): a job
+    handed over whole is finished, bounded, and everything else ends (docs/protocol.md, "Lifetime").
+    """
+
+    def __init__(self, fd: int, lock_fd: Optional[int] = None) -> None:
         self.sock = socket.socket(fileno=fd)
         self.conn = Connection(os.dup(fd))
         self.area: Optional[mmap.mmap] = None
@@ -267,6 +295,74 @@ class _Server:
         # The priority drops once the writer is ready, not at start: start-up imports at nice 10 on a busy
         # machine took seconds of the first save's deadline (importing s3fs 0.6 s at nice 0, 5 s at nice 10).
         self.lowered = False
+        self.trainer = os.getppid()
+        self.lock_fd = lock_fd  # rank 0: the root's lock, shared with the trainer (its claim)
+        self._state = threading.Lock()  # guards what follows: the main thread and the watchdog's
+        self._receiving = False  # a message is being read (it may be a job)
+        self._job: Optional[SaveJob] = None  # the job being run
+        self._until = 0.0  # when a whole job's own bound runs out (monotonic)
+        self._whole = False  # the job may be finished by an orphan (handed over whole, where that is safe)
+        self._reported = False  # this rank (not 0) has reported its part of the job
+        self._orphan_at: Optional[float] = None  # when the watchdog found the trainer gone
+        self._noted = False  # the orphan's work was announced (log, lock record)
+
+    # ------------------------------------------------------------------ the trainer gone
+    def live_on(self) -> float:
+        """The watchdog, once the trainer is gone (every 0.1 s): how many seconds more this process may live
+        (0: kill it now). A whole job is finished within its own bound; a message the trainer sent before
+        dying is still read (within :data:`ORPHAN_DRAIN_S`); anything else ends now."""
+        now = time.monotonic()
+        with self._state:
+            if self._orphan_at is None:
+                self._orphan_at = now
+            if self._job is None:
+                if (self._receiving or self._readable()) and now - self._orphan_at < ORPHAN_DRAIN_S:
+                    return ORPHAN_DRAIN_S - (now - self._orphan_at)
+                return 0.0
+            if not self._whole or self._reported:
+                return 0.0
+            if not self._noted:
+                self._noted = True
+                self._note_orphan(self._job, self._until - now)
+            return max(0.0, self._until - now)
+
+    def _readable(self) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
+
+    def _note_orphan(self, job: SaveJob, left: float) -> None:
+        """Say that this orphan finishes ``job``: in the log, and (rank 0) in the root's lock record, which a
+        new manager reads to wait for us (bounded) rather than refuse the root."""
+        log.warning("rank %d: the trainer (pid %d) is gone; finishing the save of step %s it handed over whole "
+                    "(within %.0fs), then exiting", job.rank, self.trainer, job.step, left)
+        if self.lock_fd is not None and job.rank == 0:
+            data = lock_record(writer_of=self.trainer, step=job.step, until=time.time() + left)
+            try:  # longer than the trainer's record: written over it in one write, then cut to its length
+                os.pwrite(self.lock_fd, data, 0)
+                os.ftruncate(self.lock_fd, len(data))
+            except OSError as e:
+                log.warning("rank 0: could not note the orphan writer in the root's lock record: %s", e)
+
+    def _may_finish(self, job: SaveJob) -> bool:
+        """Whether an orphan may finish ``job``: handed over whole (no chunk to come), on a root whose lock
+        keeps a restarted job off it, and rank 0's writer holding that lock."""
+        return (not job.chunked and not job.streamed and job.dest.root.orphans_may_finish
+                and (job.rank != 0 or self.lock_fd is not None))
+
+    def receiving(self, on: bool) -> None:
+        with self._state:
+            self._receiving = on
+
+    def reported(self) -> None:
+        with self._state:
+            self._reported = True
+
+    def orphaned(self) -> bool:
+        """Whether the trainer is gone (noticed by the watchdog, or seen now)."""
+        with self._state:
+            return self._orphan_at is not None or os.getppid() != self.trainer
 
     def serve(self, msg: Msg) -> None:
         """Answer one message from the trainer (STOP is the caller's)."""
@@ -320,12 +416,26 @@ class _Server:
             except CheckpointSaveError as e:
                 self.conn.send(Msg(Op.RESULT, result=JobResult(job.save_id, False, f"rank {job.rank}: {e}")))
                 return
-        deadline = time.monotonic() + job.timeout
+        start = time.monotonic()
+        deadline = start + job.timeout
         write = (write_chunked(self.view, _stream_feed(self.conn, job, deadline), release=False) if job.streamed
                  else write_chunked(self.view, _chunk_feed(self.conn, deadline)) if job.chunked
                  else from_area(self.view))
+        with self._state:
+            self._job, self._until, self._reported = job, deadline + ORPHAN_SLACK_S, False
+            self._whole = self._may_finish(job)
+            self._receiving = False
         later: List[Callable[[], None]] = []
-        result = run_job(job, write, RecordBarrier(), self.history, later)
+        try:
+            result = run_job(job, write, _Barrier(self), self.history, later)
+        finally:
+            with self._state:
+                self._job = None
+        if self.orphaned():  # nobody to report to; retention is left to the next commit
+            log.warning("rank %d: the save of step %s that the trainer (pid %d) handed over before dying %s; "
+                        "exiting", job.rank, job.step, self.trainer,
+                        "is done" if result.ok else f"failed: {result.error}")
+            _exit_now()
         self.conn.send(Msg(Op.RESULT, result=result))
         for step in later:
             step()
@@ -349,27 +459,33 @@ class _Server:
         self.sock.close()
 
 
-def main(fd: int) -> int:
+def main(fd: int, lock_fd: int = -1, orphan: Optional[List[Callable[[], float]]] = None) -> int:
     """The writer process: serve jobs from the trainer over the socket ``fd``.
 
-    It never outlives its trainer: the code that starts it
-    (``nostall.saving.background``) watches the trainer from the process's
-    first line, before any import.
+    It outlives its trainer only to finish a job handed over whole (docs/protocol.md, "Lifetime"): the
+    code that starts it (``nostall.saving.background``) watches the trainer from the process's first line,
+    before any import, and asks, through ``orphan`` (where this puts :meth:`_Server.live_on`), how long
+    to live on once the trainer is gone. ``lock_fd``: rank 0's share of the root's lock (-1: none).
     """
     # The trainer decides when we stop: Ctrl-C / SIGTERM sent to the whole
     # process group must not kill a write half-way; the trainer drains us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _log_like_the_trainer()
-    server = _Server(fd)
+    server = _Server(fd, lock_fd if lock_fd >= 0 else None)
+    if orphan is not None:
+        orphan.append(server.live_on)
     try:
         while True:
             try:
+                server.conn.poll(None)  # (readable, or the trainer's end closed)
+                server.receiving(True)
                 msg: Msg = server.conn.recv()
                 if msg.op is Op.STOP:
                     server.conn.send(Msg(Op.STOPPED))
                     _exit_now()
                 server.serve(msg)
+                server.receiving(False)
             except (EOFError, OSError):
                 _exit_now()  # the trainer is gone (its end of the socket is closed)
     finally:

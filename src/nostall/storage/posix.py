@@ -14,7 +14,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import sys
 import time
@@ -30,8 +29,9 @@ from nostall.errors import (
 from nostall.storage.root import (
     BESIDE_RE, LATEST, LATEST_MAX_BYTES, LOCK, MANIFEST_PROOF_MAX_BYTES, MARK_RE, MARK_SUFFIX, NONE, OURS_RE,
     RECORD_MAX_BYTES, RETIRED_MARK_RE, RETIRED_PREFIX, RETIRED_RE, TMP_DIR, Claim, Root, StoredFile, done_name,
-    collectable, is_nostall_manifest, listed, lkind, maker_gone, mark_content, parse_latest, parse_step, record,
-    referenced_hint, retired_id, retired_name, retired_proof, side_size_problem, step_name,
+    collectable, is_nostall_manifest, listed, lkind, lock_holder, lock_record, maker_gone, mark_content,
+    parse_latest, parse_step, record, referenced_hint, retired_id, retired_name, retired_proof, side_size_problem,
+    step_name,
 )
 
 log = logging.getLogger("nostall")
@@ -110,6 +110,12 @@ class PosixRoot(Root):
         self.detached = detached
         self.faults = faults if faults is not None else Faults()
         self._checked: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the root that check() last passed
+        self._claim: Optional[Claim] = None  # this process's claim of the root (never pickled)
+
+    def __getstate__(self) -> Dict[str, object]:
+        state = dict(self.__dict__)
+        state["_claim"] = None  # a descriptor of this process: a writer gets it by pass_fds (held_lock)
+        return state
 
     def __repr__(self) -> str:
         return f"PosixRoot({self.url!r})"
@@ -406,28 +412,42 @@ class PosixRoot(Root):
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise CheckpointSaveError(f"{path} is not a regular file; remove it")
+        locked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in self._UNSUPPORTED_LOCK:
-                owner = self._lock_owner(fd)
+                try:
+                    owner, until = lock_holder(os.pread(fd, 4096, 0))
+                except OSError:
+                    owner, until = "an unknown process", None
                 os.close(fd)
-                return Claim(False, owner)
+                return Claim(False, owner, busy_until=until)
+            locked = False
             log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
                         "second job on this root: make sure one job saves to it at a time", self.url, e)
-        record = json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                             "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, record, 0)
-        self._clean_leftovers()
-        return Claim(True, "", fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, lock_record(), 0)
+            self._clean_leftovers()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._claim = Claim(True, "", fd, locked=locked)
+        return self._claim
+
+    def held_lock(self) -> Optional[int]:
+        return self._claim.fd if self._claim is not None else None
+
+    @property
+    def orphans_may_finish(self) -> bool:
+        return not self.detached  # a caller-named directory has no lock to hold
 
     @staticmethod
     def _lock_owner(fd: int) -> str:
         try:
-            info = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            return f"pid {info['pid']} on host {info['host']} (since {info['since']})"
-        except (OSError, ValueError, KeyError, TypeError):
+            return lock_holder(os.pread(fd, 4096, 0))[0]
+        except OSError:
             return "an unknown process"
 
     def _clean_leftovers(self) -> None:

@@ -56,6 +56,7 @@ import logging
 import os
 import re
 import socket
+import time
 from typing import AbstractSet, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from nostall.core.faults import Faults
@@ -221,18 +222,68 @@ def is_nostall_manifest(raw: bytes, where: str) -> bool:
         return False
 
 
-class Claim:
-    """A root's claim for a manager's lifetime (see :meth:`Root.claim`); ``release()`` ends it."""
+ORPHAN_WAIT_MAX_S = 600.0
+"""The longest a new manager waits for the lock of a root that an orphan writer holds (see :class:`Claim`)."""
+ORPHAN_WAIT_SLACK_S = 10.0
+"""How long past the ``until`` it announced an orphan writer is waited for (its watchdog kills it at ``until``)."""
 
-    def __init__(self, held: bool, owner: str = "", fd: Optional[int] = None) -> None:
+
+def lock_record(**extra: Any) -> bytes:
+    """The record a root's lock file holds: who holds the lock (host, pid, since) and ``extra`` fields."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra}).encode()
+
+
+def lock_holder(raw: bytes) -> Tuple[str, Optional[float]]:
+    """Who holds a root's lock, from its record, and until when it promised to hold it (wall-clock seconds):
+    only an orphan writer finishing its last save promises that (its record has ``writer_of`` and ``until``)."""
+    try:
+        info = json.loads(raw or b"{}")
+        owner = f"pid {info['pid']} on host {info['host']} (since {info['since']})"
+        if "writer_of" not in info:
+            return owner, None
+        until = float(info["until"])
+        return (f"the background writer (pid {info['pid']} on host {info['host']}) of a trainer that died "
+                f"(pid {info['writer_of']}), finishing the save of step {info.get('step')} until "
+                f"{time.strftime('%H:%M:%S %Z', time.localtime(until))}", until)
+    except (ValueError, KeyError, TypeError, OverflowError):
+        return "an unknown process", None
+
+
+class Claim:
+    """A root's claim for a manager's lifetime (see :meth:`Root.claim`); ``release()`` ends it.
+
+    ``locked``: the claim holds the root's lock (``fd`` is its descriptor, which a background writer may
+    share: :meth:`Root.held_lock`). When refused, ``owner`` names the holder, and ``busy_until`` is when
+    the holder promised to be gone (an orphan writer finishing its last save), or None.
+    """
+
+    def __init__(self, held: bool, owner: str = "", fd: Optional[int] = None, *, locked: bool = False,
+                 busy_until: Optional[float] = None) -> None:
         self.held = held
         self.owner = owner
+        self.locked = locked and fd is not None
+        self.busy_until = busy_until
         self._fd = fd
+
+    def wait_left(self, waited: float) -> float:
+        """A refused claim, after ``waited`` seconds of waiting: how much longer it is worth waiting for the
+        holder (until the ``busy_until`` it promised + :data:`ORPHAN_WAIT_SLACK_S`, at most
+        :data:`ORPHAN_WAIT_MAX_S` in all); 0 when the holder promised nothing (a live job: refused at once)."""
+        if self.held or self.busy_until is None:
+            return 0.0
+        return max(0.0, min(self.busy_until + ORPHAN_WAIT_SLACK_S - time.time(), ORPHAN_WAIT_MAX_S - waited))
+
+    @property
+    def fd(self) -> Optional[int]:
+        """The lock's descriptor while the claim holds it."""
+        return self._fd if self.locked else None
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # releases the flock
+            os.close(self._fd)  # releases the flock (once no writer process shares it)
             self._fd = None
+            self.locked = False
 
 
 def referenced_hint(name: str) -> str:
@@ -440,6 +491,20 @@ class Root(abc.ABC):
     @abc.abstractmethod
     def claim(self) -> Claim:
         """Rank 0, when a manager opens the root: take it, then remove what crashed saves left."""
+
+    @property
+    def orphans_may_finish(self) -> bool:
+        """Whether a writer whose trainer died may still finish a job handed over whole here: only where the
+        root's lock keeps a restarted job off the root meanwhile (docs/protocol.md, "Lifetime")."""
+        return False
+
+    def held_lock(self) -> Optional[int]:
+        """The descriptor of this root's lock while this process's claim holds it (None: no such lock).
+
+        Rank 0's background writer gets it when it starts, so that the lock stays held while the
+        writer finishes a save its trainer handed over whole after the trainer died
+        (docs/protocol.md, "Lifetime"). Never pickled."""
+        return None
 
     def warm(self) -> None:  # noqa: B027 - optional step, no-op by default
         """A writer, when it starts: get ready to write here (object storage: import and build the client),

@@ -1,0 +1,196 @@
+"""Issue 27: what a background writer does once its trainer died (docs/protocol.md, "Lifetime").
+
+Real processes and gloo (``run_ranks``); every trainer SIGKILLs itself right
+after ``save()`` returned. Nothing here asserts a time: every wait is a bound
+only a hang reaches, and what is checked is what got committed, what the
+root's lock record says, and that no process is left.
+
+- A job not handed over whole (an overlapped save's streamed job, its copy
+  still running) dies with its trainer: nothing of it is committed, the
+  lock's record never names an orphan, and the previous checkpoint loads.
+- A restarted job finds the root's lock held by rank 0's orphan writer,
+  which is finishing a whole job (held by the test's gate,
+  ``Faults.writer_gate``): it waits for it, then takes the root and finds
+  the orphan's save committed.
+- A lock whose orphan holder is past the bound it promised is refused at
+  once, naming the writer and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import nostall
+from tests.dist_harness import run_ranks
+
+_N = 40000
+BOUND_S = 90.0  # only a hang reaches it
+
+
+def _state(step: int, rank: int):
+    return {"w": nostall.ShardedTensor(torch.arange(_N, dtype=torch.float32) + step * 1000 + rank * _N,
+                                       (2 * _N,), (rank * _N,)),
+            "b": torch.full((100,), float(step)), "step": step}
+
+
+def _expected(step: int):
+    return {"w": torch.cat([_state(step, r)["w"].data for r in range(2)]), "b": torch.full((100,), float(step)),
+            "step": step}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait(what: str, cond) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {BOUND_S:.0f}s"
+        time.sleep(0.05)
+
+
+def _lock_record(root: str) -> dict:
+    try:
+        with open(os.path.join(root, ".tmp", ".lock"), "rb") as f:
+            return json.loads(f.read() or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_then_die(rank, world, root, out_dir, opts, faults):
+    with nostall.CheckpointManager(root, async_save=True, timeout=60, **opts) as mgr:
+        mgr.save(1, _state(1, rank)).result()
+        for k, v in faults.items():
+            setattr(mgr._faults, k, v)
+        mgr.save(2, _state(2, rank))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"writer": mgr.writer_pid, "trainer": os.getpid()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed(root: str, out: str, opts: dict, faults: dict) -> list:
+    """Run the job that saves steps 1 and 2 and dies; the pids of its processes."""
+    os.makedirs(out, exist_ok=True)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _save_then_die, root, out, opts, faults, timeout=120, grace=30)
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+
+def _load_latest(root):
+    with nostall.CheckpointManager(root, read_only=True) as mgr:
+        t = {"w": torch.zeros(2 * _N), "b": torch.zeros(100), "step": 0}
+        got = mgr.load(t)
+        exp = _expected(got["step"])
+        assert torch.equal(t["w"], exp["w"]) and torch.equal(t["b"], exp["b"])
+        return mgr.latest_step(), mgr.steps()
+
+
+def test_an_orphan_with_a_job_not_handed_over_whole_dies_and_commits_nothing(tmp_path):
+    root = str(tmp_path / "run")
+    # overlapped: the job goes to the writer first and its bytes follow; the copy sleeps before its first chunk
+    pids = _killed(root, str(tmp_path / "out"), {"overlap": True}, {"stage_delay_s": 30.0})
+    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    latest, steps = _load_latest(root)
+    assert (latest, steps) == (1, [1])
+    assert not os.path.exists(os.path.join(root, "step_2"))
+    assert "writer_of" not in _lock_record(root)  # no orphan ever took the job on
+
+
+def _resume(rank, world, root, out_dir):
+    handler = logging.FileHandler(os.path.join(out_dir, f"resume{rank}.log"))
+    logging.getLogger("nostall").addHandler(handler)
+    logging.getLogger("nostall").setLevel(logging.INFO)
+    with nostall.CheckpointManager(root, async_save=True, timeout=20) as mgr:
+        t = {"w": torch.zeros(2 * _N), "b": torch.zeros(100), "step": 0}
+        got = mgr.load(t)
+        exp = _expected(got["step"])
+        assert torch.equal(t["w"], exp["w"]) and torch.equal(t["b"], exp["b"])
+        mgr.save(3, _state(3, rank)).result()  # the root is this job's now
+        return mgr.latest_step(), got["step"], mgr.writer_pid
+
+
+def test_a_restarted_job_waits_for_rank_0s_orphan_writer_then_finds_its_save_committed(tmp_path):
+    root, out = str(tmp_path / "run"), str(tmp_path / "out")
+    gate = str(tmp_path / "gate")
+    pids = _killed(root, out, {}, {"writer_gate": gate})
+    # rank 0's writer, an orphan now, holds the root's lock and says so
+    _wait("the orphan writer's lock record", lambda: _lock_record(root).get("writer_of") == pids[0]["trainer"])
+    record = _lock_record(root)
+    assert record["pid"] == pids[0]["writer"] and record["step"] == 2
+    assert not _gone(pids[0]["writer"]) and not _gone(pids[1]["writer"])
+
+    results: list = []
+    errors: list = []
+
+    def restart():
+        try:
+            results.extend(run_ranks(2, _resume, root, out, timeout=2 * BOUND_S))
+        except BaseException as e:  # reported by the test's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=restart, daemon=True)
+    thread.start()
+    log0 = os.path.join(out, "resume0.log")
+    try:
+        _wait("the restarted job to wait for the orphan",
+              lambda: os.path.exists(log0) and "waiting for it" in open(log0).read())
+        assert not os.path.exists(os.path.join(root, "step_2"))
+    finally:
+        open(gate, "w").close()  # the orphans may write now
+    thread.join(3 * BOUND_S)
+    assert not thread.is_alive()
+    assert not errors, errors[0]
+    assert [r[:2] for r in results] == [(3, 2), (3, 2)]  # resumed from the orphan's step 2, then saved 3
+    text = open(log0).read()
+    assert f"pid {pids[0]['writer']}" in text and f"pid {pids[0]['trainer']}" in text
+    _wait("every writer to be gone", lambda: all(_gone(p["writer"]) for p in pids)
+          and all(_gone(r[2]) for r in results))
+    latest, steps = _load_latest(root)
+    assert (latest, steps) == (3, [1, 2, 3])
+    assert "writer_of" not in _lock_record(root)
+
+
+_HOLD = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "since": "then",
+                          "writer_of": 12345, "step": 7, "until": time.time() - 30}).encode(), 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_orphan_past_its_promised_bound_is_refused_naming_it(tmp_path):
+    root = tmp_path / "run"
+    (root / ".tmp").mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(root / ".tmp" / ".lock")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(nostall.CheckpointSaveError) as e:
+            nostall.CheckpointManager(root, async_save=True, timeout=5)
+        msg = str(e.value)
+        assert f"background writer (pid {holder.pid}" in msg and "pid 12345" in msg and "step 7" in msg
+        assert "kill it" in msg
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(BOUND_S)
+    with nostall.CheckpointManager(root, async_save=True, timeout=5) as mgr:  # free once the holder is gone
+        assert mgr.latest_step() is None
