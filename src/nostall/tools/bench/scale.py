@@ -695,7 +695,12 @@ def bench_load(pieces_list: Sequence[int], mb: int, n_tensors: int, reps: int, r
 
 
 class _LoadTemplates:
-    """The templates of the loads of one piece count: full tensors, two column halves, one rank's rows."""
+    """The templates of the loads of one piece count: full tensors, two column halves, one rank's rows.
+
+    Each template's memory is touched (zeroed) when made, outside the timers, as a model built (initialized)
+    before it resumes is: a load into new untouched memory would time the kernel faulting its pages in (about as
+    long as the read itself here), which the raw read into its reused buffer does not pay.
+    """
 
     def __init__(self, tensors: Dict[str, Any], pieces: int) -> None:
         self.keys = list(tensors)
@@ -705,7 +710,7 @@ class _LoadTemplates:
     def full(self) -> Dict[str, Any]:
         import torch
 
-        return {k: torch.empty((self.rows, self.cols)) for k in self.keys}
+        return {k: torch.zeros((self.rows, self.cols)) for k in self.keys}
 
     def halves(self, i: int) -> Dict[str, Any]:
         import torch
@@ -713,7 +718,7 @@ class _LoadTemplates:
         from nostall.core.model import ShardedTensor
 
         half = self.cols // 2
-        return {k: ShardedTensor(torch.empty((self.rows, half)), (self.rows, self.cols), (0, half * i))
+        return {k: ShardedTensor(torch.zeros((self.rows, half)), (self.rows, self.cols), (0, half * i))
                 for k in self.keys}
 
     def own(self, r: int) -> Dict[str, Any]:
@@ -721,7 +726,7 @@ class _LoadTemplates:
 
         from nostall.core.model import ShardedTensor
 
-        return {k: ShardedTensor(torch.empty((self.h, self.cols)), (self.rows, self.cols), (self.h * r, 0))
+        return {k: ShardedTensor(torch.zeros((self.h, self.cols)), (self.rows, self.cols), (self.h * r, 0))
                 for k in self.keys}
 
 
@@ -848,7 +853,7 @@ def format_table(out: Dict[str, Any]) -> str:
         lines.append("  (flatten .. plan: ms of each metadata step of a save, timed apart; a cached plan skips "
                      "gather and plan)")
     if out.get("load"):
-        lines += ["", "loads as the pieces per tensor grow (one process; page cache warm)",
+        lines += ["", "loads as the pieces per tensor grow (one process; page cache warm; templates touched)",
                   f"{'pieces':>7}{'MiB':>6}{'raw ms':>8}{'full ms':>9}{'x raw':>7}{'reshard ms':>11}{'x raw':>7}"
                   f"{'rank ms':>9}{'rank raw':>9}{'manifest KiB':>13}{'parse ms':>10}"]
         for p in out["load"]:
