@@ -14,7 +14,6 @@ import weakref
 from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from nostall.planning.comm import Comm, make_comm
-from nostall.core.exports import ExportJob, ExportOutcome, ExportTarget
 from nostall.core.faults import Faults
 from nostall.saving.background import BackgroundWriter
 from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
@@ -22,13 +21,11 @@ from nostall.handles import OnCommit, SaveHandle, SaveStats
 from nostall.core.jobs import Destination
 from nostall.loading.collective import shared_manifest
 from nostall.loading.reader import load_state
-from nostall.options import NOT_GIVEN, MemoryTier, NotGiven, Options, options_from
-from nostall.memory.tier import Restored, Tiers
+from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
 from nostall.storage.root import Claim, Root, step_name
 from nostall.storage.locate import open_root, resolve, split_checkpoint
-from nostall.saving.exports import ExportRuns
 from nostall.saving.saver import PendingSave, Saver
-from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training
+from nostall.training import ParallelLayout, Training, load_training
 
 log = logging.getLogger("nostall")
 
@@ -162,8 +159,8 @@ class CheckpointManager:
             (shared with ``Strategy``).
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
-        check_replicas, max_write_rate, export, incremental, full_every, shared_loads,
-        read_once, preemption_signal, grace_s, exit_on_preemption, memory_tier: the
+        check_replicas, max_write_rate, incremental, full_every, shared_loads,
+        read_once, preemption_signal, grace_s, exit_on_preemption: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`. Each may be passed as a keyword
             argument, or all of them as ``options=``; a setting given both
@@ -221,7 +218,6 @@ class CheckpointManager:
         staging_budget_bytes: Union[Optional[int], NotGiven] = NOT_GIVEN,
         check_replicas: Union[Optional[bool], NotGiven] = NOT_GIVEN,
         max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
-        export: Union[Optional[ExportTarget], NotGiven] = NOT_GIVEN,
         incremental: Union[bool, NotGiven] = NOT_GIVEN,
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
@@ -229,7 +225,6 @@ class CheckpointManager:
         preemption_signal: Union[Optional[int], NotGiven] = NOT_GIVEN,
         grace_s: Union[float, NotGiven] = NOT_GIVEN,
         exit_on_preemption: Union[bool, NotGiven] = NOT_GIVEN,
-        memory_tier: Union[Optional[MemoryTier], NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -237,9 +232,9 @@ class CheckpointManager:
             keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors, block_size=block_size,
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
-            max_write_rate=max_write_rate, export=export, incremental=incremental, full_every=full_every,
+            max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
             shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
-            exit_on_preemption=exit_on_preemption, memory_tier=memory_tier,
+            exit_on_preemption=exit_on_preemption,
         ), "CheckpointManager()")
         if read_only and options.async_save:
             options = options.but(async_save=False)
@@ -271,12 +266,9 @@ class CheckpointManager:
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._claim: Optional[Claim] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
-        self._exports = ExportRuns()  # the export at save time (Options.export), one at a time
         self._writer: Optional[BackgroundWriter] = None
         self._preemption: Optional[_Preemption] = None  # this manager's signal handler, while installed
         self._preemption_noted = False  # the preemption was logged
-        self._tiers: Optional[Tiers] = None  # the memory tier (Options.memory_tier), while the manager lives
-        self.last_restore: Optional[Restored] = None  # memory tier: how the last load() went (which tier, bytes)
 
     def _start(self, process_group: Any) -> None:
         """__init__, phase 2 (collective): the metadata group, the saver, the root's claim, the writer;
@@ -286,25 +278,13 @@ class CheckpointManager:
             self._saver = Saver(self._comm, self.options, self._faults)
             if not self.read_only and self._root is not None:
                 self._claim_root()
-            self._start_memory_tier()
             if self.options.async_save:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
         except BaseException:
-            if self._tiers is not None:
-                self._tiers.close()
             if self._claim is not None:
                 self._claim.release()
             self._comm.close()
             raise
-
-    def _start_memory_tier(self) -> None:
-        """_start: attach to (or start) the job's memory-tier holder on this host (collective; docs/protocol.md,
-        "Memory tier"). A read-only manager has none."""
-        if self.options.memory_tier is None or self.read_only:
-            return
-        if self._root is None:
-            raise CheckpointError("memory_tier needs a root (the persistent tier): pass one, or drop memory_tier")
-        self._tiers = Tiers(self.options, self._root.url, self._comm)
 
     def _install_exit_handlers(self) -> None:
         """__init__, phase 3: close at exit (a weak reference: the manager may be collected first), and
@@ -540,8 +520,7 @@ class CheckpointManager:
              scheduler: Any = None, rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
              path: Any = None, files: Optional[Mapping[str, Any]] = None, driver: Any = None,
              async_save: Optional[bool] = None,
-             overlap: Optional[bool] = None, stage_now: Any = None,
-             export: Union[None, bool, ExportTarget] = None) -> SaveHandle:
+             overlap: Optional[bool] = None, stage_now: Any = None) -> SaveHandle:
         """Save checkpoint ``step``; a collective call over the group.
 
         Either training objects, read as they are now::
@@ -596,17 +575,11 @@ class CheckpointManager:
         running statistics, say): a callable ``key -> bool``, or key
         prefixes (``"model/bn1."`` for a ``state_dict()`` saved under
         ``"model"``).
-
-        ``export``: this save's export at save time (see ``Options.export``):
-        None: the manager's; False: none; an export target: that one. It runs
-        after the commit, off the training thread; the next ``save()`` waits
-        for it first, and :meth:`export_result` gives its outcome.
         """
         if not (step is None and path is not None) and (isinstance(step, bool) or not isinstance(step, int)
                                                          or step < 0):
             raise ValueError(f"step must be a non-negative int (None only with path=), got {step!r}")
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save", driver=driver)
-        target = self._export_target(export, step)
         use_async = self.options.async_save if async_save is None else bool(async_save)
         if self.options.fallback_sync:
             use_async = False
@@ -621,8 +594,6 @@ class CheckpointManager:
             with self._lock:
                 handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap,
                                            stage_now, t_call)
-                if target is not None:
-                    self._start_export(target, handle, use_async)
             if not use_async:
                 handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
         return handle
@@ -645,11 +616,7 @@ class CheckpointManager:
                     self.attach(optimizer)
                 if stage_now is None:
                     stage_now = set(training.buffer_keys()).__contains__
-        if self._tiers is not None and self._tiers.takes(step, path):
-            assert step is not None
-            dest = self._tiers.destination(step)  # the memory tier: this step is not a persistent one
-        else:
-            dest = self._destination(step, path)
+        dest = self._destination(step, path)
         if use_async:
             handle = self._save_async(step, state, dest, t_call, use_overlap, stage_now, files)
         else:
@@ -660,45 +627,6 @@ class CheckpointManager:
             self._watch_commit(handle, run=False)
         self._handles.append(handle)
         return handle
-
-    def _export_target(self, export: Union[None, bool, ExportTarget], step: Optional[int]) -> Optional[ExportTarget]:
-        """The export a save runs (``save(export=)``, else the manager's), its step checked."""
-        if export is None or export is True:
-            target = self.options.export
-        elif export is False:
-            target = None
-        elif isinstance(export, ExportTarget):
-            target = export
-        else:
-            raise TypeError(f"save(): export must be None, False or an export target (HFExport), got {export!r}")
-        if target is not None:
-            target.check_step(step)
-        return target
-
-    def _start_export(self, target: ExportTarget, handle: SaveHandle, use_async: bool) -> None:
-        """After ``save()`` (lock held): the save's export, in a thread that starts once the save is committed."""
-        job = ExportJob(handle.path, handle.step, self.rank, self.world_size, self.options.timeout, self._faults)
-        self._exports.start(target, job, None if use_async else True, self._peek, 3 * self.options.timeout)
-
-    def export_result(self, timeout: Optional[float] = None) -> ExportOutcome:
-        """The outcome of the latest export at save time on this rank, once it finished (a wait bounded by
-        ``timeout``, default the manager's; past it the export is cancelled). Raises its
-        :class:`~nostall.core.exports.CheckpointExportError` when it failed (rank 0's outcome is the
-        export's; another rank's is its own part's), and :class:`~nostall.CheckpointError` when no export ran.
-        Settles a pending save first (its failure is still raised by the next call, as always)."""
-        wait = self.options.timeout if timeout is None else timeout
-        with self._shielded(), self._lock:
-            self._check_open()
-            if self._pending is not None:
-                self._settle(wait)
-            self._exports.wait(wait)
-            outcome = self._exports.last
-        if outcome is None:
-            raise CheckpointError(f"rank {self.rank}: no export at save time ran on this manager (Options.export, "
-                                  "save(..., export=))")
-        if outcome.error is not None:
-            raise outcome.error
-        return outcome
 
     def _save_async(self, step: Optional[int], state: Any, dest: Destination, t_call: float, use_overlap: bool,
                     stage_now: Any, files: Optional[Mapping[str, Any]]) -> SaveHandle:
@@ -733,8 +661,8 @@ class CheckpointManager:
     def _watch_commit(self, handle: SaveHandle, run: bool) -> None:
         """Register ``on_commit`` on a new handle (``run`` False: the caller holds the lock and runs
         the callbacks due once it released it)."""
-        if self._on_commit is not None and not (self._tiers is not None and self._tiers.holds(handle.path)):
-            handle._add_callback(OnCommit(self._on_commit), run)  # (not for a memory save: it is not durable)
+        if self._on_commit is not None:
+            handle._add_callback(OnCommit(self._on_commit), run)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -762,11 +690,9 @@ class CheckpointManager:
         except CheckpointSaveError as e:
             handle._set_exception(e)
             self._unraised = e
-            self._exports.settled(False)
             return
         self._stats.append(stats)
         handle._set_result(stats)
-        self._exports.settled(True)
 
     def _drive(self, timeout: Optional[float]) -> None:
         """SaveHandle.result()/exception(): settle (retention included), without raising here."""
@@ -860,7 +786,6 @@ class CheckpointManager:
             if due is not None and self._pending is not None:
                 due.append(self._pending[1])
             self._settle(timeout)
-            self._exports.wait(self.options.timeout if timeout is None else timeout)  # logged if it failed
             if flush and self._writer is not None:
                 self._writer.flush(self.options.timeout if timeout is None else timeout)
             if self._unraised is not None:
@@ -925,40 +850,26 @@ class CheckpointManager:
         with self._lock:
             self._check_open()
             self._finalize(None, flush=True)  # one another thread (or a callback) started meanwhile
-            if self._tiers is not None and path is None and step is None:  # the freshest complete tier
-
-                def load_from(where: Any) -> Any:
-                    return self._load_locked(training, state, where, None, strict, verify, per_rank)
-
-                result, self.last_restore = self._tiers.restore(
-                    self.latest_step, load_from, lambda: load_from(None),
-                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None)
-                return result
-            return self._load_locked(training, state, path, step, strict, verify, per_rank)
-
-    def _load_locked(self, training: Optional[Training], state: Any, path: Any, step: Optional[int], strict: bool,
-                     verify: bool, per_rank: str) -> Any:
-        """load(), lock held, pending saves settled: checkpoint ``path`` or ``step`` of this manager's root."""
-        try:
-            path = self._load_path(path, step)
-        except CheckpointError as e:
-            if not self._shared_loads:
-                raise
-            shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
-            raise  # (on rank 0, shared_manifest raised it on every rank)
-        if training is not None:
-            return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
-                                 per_rank=per_rank, storage_options=self.options.storage_options,
-                                 timeout=self.options.timeout,
-                                 comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
-        manifest = files = None
-        if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
-            manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
-                                                 self.options.storage_options, read_once=self.options.read_once,
-                                                 verify=verify, timeout=self.options.timeout)
-        return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
-                          verify=verify, per_rank=per_rank, manifest=manifest, files=files,
-                          storage_options=self.options.storage_options, timeout=self.options.timeout)
+            try:
+                path = self._load_path(path, step)
+            except CheckpointError as e:
+                if not self._shared_loads:
+                    raise
+                shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
+                raise  # (on rank 0, shared_manifest raised it on every rank)
+            if training is not None:
+                return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
+                                     per_rank=per_rank, storage_options=self.options.storage_options,
+                                     timeout=self.options.timeout,
+                                     comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
+            manifest = files = None
+            if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
+                manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
+                                                     self.options.storage_options, read_once=self.options.read_once,
+                                                     verify=verify, timeout=self.options.timeout)
+            return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
+                              verify=verify, per_rank=per_rank, manifest=manifest, files=files,
+                              storage_options=self.options.storage_options, timeout=self.options.timeout)
 
     @property
     def _shared_loads(self) -> bool:
@@ -1070,7 +981,6 @@ class CheckpointManager:
         release the root's claim and the group."""
         self._closed = True
         self._pending = None
-        self._exports.close(1.0)  # one still running here ran past close()'s bound: cancelled
         self._handles = []
         for hook in self._hooks:
             hook.remove()
@@ -1083,8 +993,6 @@ class CheckpointManager:
             # never comes): the writer would answer "stop" only after its own bounded waits. It is
             # killed at once instead (a crash at any point is safe), so close() stays within its bound.
             self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
-        if self._tiers is not None:
-            self._tiers.close()  # after the writer: it may have been writing into the memory root
         if self._claim is not None:
             self._claim.release()
         self._comm.close()

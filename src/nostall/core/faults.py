@@ -16,9 +16,7 @@ save. The points, in the order a save reaches them:
 ``planned``, ``staged`` (trainer, async), ``write.start``, ``write.done`` (whoever writes), ``upload.done``,
 ``commit.ready``, ``commit.manifest``, ``commit.renamed``, ``retain.moved``
 (whoever commits: rank 0's writer for async saves, rank 0's trainer for sync
-ones); then, with an export at save time (in each rank's trainer),
-``export.written`` (a rank's files are written, its done mark not yet) and
-``export.publish`` (rank 0, everything written, before the rename into place).
+ones).
 A malformed value is refused (``ValueError``) when a :class:`Faults` is made,
 that is where a manager (or a saver, or a storage root) starts: :func:`check_env`.
 
@@ -40,7 +38,7 @@ ROLE_ENV = "NOSTALL_PROCESS_ROLE"
 
 ROLES = ("trainer", "writer")
 POINTS = ("planned", "staged", "write.start", "write.done", "upload.done", "commit.ready", "commit.manifest",
-          "commit.renamed", "retain.moved", "export.written", "export.publish")
+          "commit.renamed", "retain.moved")
 
 
 def _parse(spec: str) -> Tuple[str, str, str]:
@@ -77,8 +75,6 @@ class Faults:
     ``writer_fault``: ``"enospc"`` fails the writing of the files like a full disk.
     ``stage_delay_s``: the copy into host memory (async saves) sleeps this long (before each chunk, when the
     copy goes in chunks: a budget's, or an overlapped save's streamed ones).
-    ``export_fault``: ``"eio"`` fails an export at save time like an I/O error, after the first region of this
-    rank's first file is written.
     ``fail``: storage operation -> errno, raised as ``OSError`` when the
     operation runs (operations: ``"latest"``, ``"outcome"``, ``"manifest"``,
     ``"record"``); ``fail_times`` limits how often (default: every time).
@@ -89,7 +85,6 @@ class Faults:
     writer_delay_s: float = 0.0
     writer_fault: Optional[str] = None
     stage_delay_s: float = 0.0
-    export_fault: Optional[str] = None
     fail: Dict[str, int] = field(default_factory=dict)
     fail_times: Dict[str, int] = field(default_factory=dict)
     writer_gate: str = ""
@@ -115,11 +110,6 @@ class Faults:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the test's gate {self.writer_gate} did not open (test fault)")
             time.sleep(0.05)
-
-    def check_export(self, name: str) -> None:
-        """An export at save time wrote a region of file entry ``name``: the armed fault."""
-        if self.export_fault == "eio":
-            raise OSError(errno.EIO, "Input/output error (test fault)", name)
 
     def check_write(self, path: str) -> None:
         """The writing of a save's files: the armed delay and fault."""
