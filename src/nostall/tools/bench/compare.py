@@ -318,10 +318,14 @@ class _Rank:
     # ---- the phases
 
     def saves(self) -> None:
-        """Every system, ``reps`` timed repetitions after a first save reported apart, interleaved."""
+        """Every system, ``reps`` timed repetitions after a first save reported apart, interleaved, the order
+        turned by one at each repetition: what a save leaves the file system to do (a journal commit, freed
+        blocks, pages written back) lands on whichever save comes next, so no system always follows the same
+        one."""
         order = list(LIMITS) + list(self.systems)
         for rep in range(self.reps + 1):
-            for system in order:
+            turn = rep % len(order)
+            for system in order[turn:] + order[:turn]:
                 reset_peaks()
                 self.dist.barrier()
                 stall, commit = self.run(system, rep)
