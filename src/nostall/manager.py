@@ -21,11 +21,12 @@ from nostall.handles import OnCommit, SaveHandle, SaveStats
 from nostall.core.jobs import Destination
 from nostall.loading.collective import shared_manifest
 from nostall.loading.reader import load_state
-from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
+from nostall.options import NOT_GIVEN, MemoryTier, NotGiven, Options, options_from
+from nostall.memory.tier import Restored, Tiers
 from nostall.storage.root import Claim, Root, step_name
 from nostall.storage.locate import open_root, resolve, split_checkpoint
 from nostall.saving.saver import PendingSave, Saver
-from nostall.training import ParallelLayout, Training, load_training
+from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training
 
 log = logging.getLogger("nostall")
 
@@ -160,7 +161,7 @@ class CheckpointManager:
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
         check_replicas, max_write_rate, incremental, full_every, shared_loads,
-        read_once, preemption_signal, grace_s, exit_on_preemption: the
+        read_once, preemption_signal, grace_s, exit_on_preemption, memory_tier: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`. Each may be passed as a keyword
             argument, or all of them as ``options=``; a setting given both
@@ -225,6 +226,7 @@ class CheckpointManager:
         preemption_signal: Union[Optional[int], NotGiven] = NOT_GIVEN,
         grace_s: Union[float, NotGiven] = NOT_GIVEN,
         exit_on_preemption: Union[bool, NotGiven] = NOT_GIVEN,
+        memory_tier: Union[Optional[MemoryTier], NotGiven] = NOT_GIVEN,
         on_commit: Optional[Callable[[SaveHandle], Any]] = None,
         options: Optional[Options] = None,
     ) -> None:
@@ -234,7 +236,7 @@ class CheckpointManager:
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
             max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
             shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
-            exit_on_preemption=exit_on_preemption,
+            exit_on_preemption=exit_on_preemption, memory_tier=memory_tier,
         ), "CheckpointManager()")
         if read_only and options.async_save:
             options = options.but(async_save=False)
@@ -269,6 +271,8 @@ class CheckpointManager:
         self._writer: Optional[BackgroundWriter] = None
         self._preemption: Optional[_Preemption] = None  # this manager's signal handler, while installed
         self._preemption_noted = False  # the preemption was logged
+        self._tiers: Optional[Tiers] = None  # the memory tier (Options.memory_tier), while the manager lives
+        self.last_restore: Optional[Restored] = None  # memory tier: how the last load() went (which tier, bytes)
 
     def _start(self, process_group: Any) -> None:
         """__init__, phase 2 (collective): the metadata group, the saver, the root's claim, the writer;
@@ -278,13 +282,25 @@ class CheckpointManager:
             self._saver = Saver(self._comm, self.options, self._faults)
             if not self.read_only and self._root is not None:
                 self._claim_root()
+            self._start_memory_tier()
             if self.options.async_save:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
         except BaseException:
+            if self._tiers is not None:
+                self._tiers.close()
             if self._claim is not None:
                 self._claim.release()
             self._comm.close()
             raise
+
+    def _start_memory_tier(self) -> None:
+        """_start: attach to (or start) the job's memory-tier holder on this host (collective; docs/protocol.md,
+        "Memory tier"). A read-only manager has none."""
+        if self.options.memory_tier is None or self.read_only:
+            return
+        if self._root is None:
+            raise CheckpointError("memory_tier needs a root (the persistent tier): pass one, or drop memory_tier")
+        self._tiers = Tiers(self.options, self._root.url, self._comm)
 
     def _install_exit_handlers(self) -> None:
         """__init__, phase 3: close at exit (a weak reference: the manager may be collected first), and
@@ -616,7 +632,11 @@ class CheckpointManager:
                     self.attach(optimizer)
                 if stage_now is None:
                     stage_now = set(training.buffer_keys()).__contains__
-        dest = self._destination(step, path)
+        if self._tiers is not None and self._tiers.takes(step, path):
+            assert step is not None
+            dest = self._tiers.destination(step)  # the memory tier: this step is not a persistent one
+        else:
+            dest = self._destination(step, path)
         if use_async:
             handle = self._save_async(step, state, dest, t_call, use_overlap, stage_now, files)
         else:
@@ -661,8 +681,8 @@ class CheckpointManager:
     def _watch_commit(self, handle: SaveHandle, run: bool) -> None:
         """Register ``on_commit`` on a new handle (``run`` False: the caller holds the lock and runs
         the callbacks due once it released it)."""
-        if self._on_commit is not None:
-            handle._add_callback(OnCommit(self._on_commit), run)
+        if self._on_commit is not None and not (self._tiers is not None and self._tiers.holds(handle.path)):
+            handle._add_callback(OnCommit(self._on_commit), run)  # (not for a memory save: it is not durable)
 
     def _settle(self, timeout: Optional[float]) -> None:
         """Wait (bounded) for the pending save's outcome and record it on its handle.
@@ -850,26 +870,40 @@ class CheckpointManager:
         with self._lock:
             self._check_open()
             self._finalize(None, flush=True)  # one another thread (or a callback) started meanwhile
-            try:
-                path = self._load_path(path, step)
-            except CheckpointError as e:
-                if not self._shared_loads:
-                    raise
-                shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
-                raise  # (on rank 0, shared_manifest raised it on every rank)
-            if training is not None:
-                return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
-                                     per_rank=per_rank, storage_options=self.options.storage_options,
-                                     timeout=self.options.timeout,
-                                     comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
-            manifest = files = None
-            if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
-                manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
-                                                     self.options.storage_options, read_once=self.options.read_once,
-                                                     verify=verify, timeout=self.options.timeout)
-            return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
-                              verify=verify, per_rank=per_rank, manifest=manifest, files=files,
-                              storage_options=self.options.storage_options, timeout=self.options.timeout)
+            if self._tiers is not None and path is None and step is None:  # the freshest complete tier
+
+                def load_from(where: Any) -> Any:
+                    return self._load_locked(training, state, where, None, strict, verify, per_rank)
+
+                result, self.last_restore = self._tiers.restore(
+                    self.latest_step, load_from, lambda: load_from(None),
+                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None)
+                return result
+            return self._load_locked(training, state, path, step, strict, verify, per_rank)
+
+    def _load_locked(self, training: Optional[Training], state: Any, path: Any, step: Optional[int], strict: bool,
+                     verify: bool, per_rank: str) -> Any:
+        """load(), lock held, pending saves settled: checkpoint ``path`` or ``step`` of this manager's root."""
+        try:
+            path = self._load_path(path, step)
+        except CheckpointError as e:
+            if not self._shared_loads:
+                raise
+            shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
+            raise  # (on rank 0, shared_manifest raised it on every rank)
+        if training is not None:
+            return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
+                                 per_rank=per_rank, storage_options=self.options.storage_options,
+                                 timeout=self.options.timeout,
+                                 comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
+        manifest = files = None
+        if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
+            manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
+                                                 self.options.storage_options, read_once=self.options.read_once,
+                                                 verify=verify, timeout=self.options.timeout)
+        return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
+                          verify=verify, per_rank=per_rank, manifest=manifest, files=files,
+                          storage_options=self.options.storage_options, timeout=self.options.timeout)
 
     @property
     def _shared_loads(self) -> bool:
@@ -993,6 +1027,8 @@ class CheckpointManager:
             # never comes): the writer would answer "stop" only after its own bounded waits. It is
             # killed at once instead (a crash at any point is safe), so close() stays within its bound.
             self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
+        if self._tiers is not None:
+            self._tiers.close()  # after the writer: it may have been writing into the memory root
         if self._claim is not None:
             self._claim.release()
         self._comm.close()

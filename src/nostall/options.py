@@ -155,6 +155,11 @@ class Options:
             mgr.preempted: mgr.save(step, ...); break``). A handler of the
             signal installed before the manager (yours, a framework's) is
             called after the manager's and decides instead.
+        memory_tier: a :class:`MemoryTier` (``persist_every`` and the
+            rest): saves that are not persistent go to the job's memory root
+            in host shared memory, ordinary checkpoints that outlive the
+            trainer; ``load()`` restores the freshest complete tier
+            (docs/protocol.md, "Memory tier"). None (default): off.
     """
 
     keep_last: Optional[int] = None
@@ -176,6 +181,7 @@ class Options:
     preemption_signal: Optional[int] = signal.SIGTERM
     grace_s: float = 30.0
     exit_on_preemption: bool = True
+    memory_tier: Optional["MemoryTier"] = None
 
     def __post_init__(self) -> None:
         if self.keep_last is not None:
@@ -211,12 +217,62 @@ class Options:
         if isinstance(self.grace_s, bool) or not isinstance(self.grace_s, (int, float)) or not self.grace_s > 0:
             raise ValueError(f"grace_s must be a positive number of seconds, got {self.grace_s!r}")
         object.__setattr__(self, "grace_s", float(self.grace_s))
+        self._check_memory_tier()
         for name in ("async_save", "fallback_sync", "overlap", "incremental", "exit_on_preemption"):
             object.__setattr__(self, name, bool(getattr(self, name)))
+
+    def _check_memory_tier(self) -> None:
+        if self.memory_tier is not None:
+            if not isinstance(self.memory_tier, MemoryTier):
+                raise ValueError(f"memory_tier must be None or a nostall.options.MemoryTier, got {self.memory_tier!r}")
+            if self.incremental:
+                raise ValueError("memory_tier and incremental cannot be combined: an incremental save would reuse "
+                                 "pieces across the two roots; drop one of them")
 
     def but(self, **changes: Any) -> "Options":
         """A copy with ``changes`` applied (and validated)."""
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """The memory tier's settings (``Options.memory_tier``; docs/protocol.md, "Memory tier").
+
+    Args:
+        persist_every: ``save(step)`` (without ``path=``) goes to the
+            persistent root when ``step % persist_every == 0``, and to the
+            job's memory root otherwise: an ordinary checkpoint (same files,
+            checksums, manifest and commit) in host shared memory, which
+            outlives the trainer (a crash, a ``torchrun`` restart on the same
+            host). One host per job for now.
+        keep: committed memory snapshots kept per rank (1 or 2); the tier
+            holds at most this many plus the one being written.
+        idle_s: the holder releases the tier once no manager was attached for
+            this long (a job that crashed and was not restarted).
+        memory_dir: the tmpfs directory it lives under (None: ``/dev/shm``).
+
+    >>> MemoryTier(persist_every=100).keep
+    1
+    >>> MemoryTier(persist_every=100, keep=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: MemoryTier keep must be 1 or 2, got 3
+    """
+
+    persist_every: int
+    keep: int = 1
+    idle_s: float = 600.0
+    memory_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        _positive_int("MemoryTier persist_every", self.persist_every)
+        if isinstance(self.keep, bool) or self.keep not in (1, 2):
+            raise ValueError(f"MemoryTier keep must be 1 or 2, got {self.keep!r}")
+        if isinstance(self.idle_s, bool) or not isinstance(self.idle_s, (int, float)) or not self.idle_s > 0:
+            raise ValueError(f"MemoryTier idle_s must be a positive number of seconds, got {self.idle_s!r}")
+        object.__setattr__(self, "idle_s", float(self.idle_s))
+        if self.memory_dir is not None and not isinstance(self.memory_dir, str):
+            raise ValueError(f"MemoryTier memory_dir must be None or a directory path (str), got {self.memory_dir!r}")
 
 
 class NotGiven(enum.Enum):

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from nostall.errors import CheckpointError
 from nostall.handles import SaveHandle
 from nostall.manager import CheckpointManager
-from nostall.options import NOT_GIVEN, NotGiven, Options, options_from
+from nostall.options import NOT_GIVEN, MemoryTier, NotGiven, Options, options_from
 from nostall.storage.locate import open_root, resolve
 from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training, mark_tensor_parallel
 
@@ -91,7 +91,7 @@ class Strategy:
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
         check_replicas, max_write_rate, incremental, full_every, shared_loads, read_once,
-        preemption_signal, grace_s, exit_on_preemption: the
+        preemption_signal, grace_s, exit_on_preemption, memory_tier: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`; each may be passed as a keyword
             argument, or all of them as ``options=`` (a setting given both
@@ -137,6 +137,7 @@ class Strategy:
         preemption_signal: Union[Optional[int], NotGiven] = NOT_GIVEN,
         grace_s: Union[float, NotGiven] = NOT_GIVEN,
         exit_on_preemption: Union[bool, NotGiven] = NOT_GIVEN,
+        memory_tier: Union[Optional[MemoryTier], NotGiven] = NOT_GIVEN,
         options: Optional[Options] = None,
     ) -> None:
         self.layout = layout if layout is not None else ParallelLayout()
@@ -146,7 +147,7 @@ class Strategy:
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
             max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
             shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
-            exit_on_preemption=exit_on_preemption,
+            exit_on_preemption=exit_on_preemption, memory_tier=memory_tier,
         ), "Strategy()")
         self.storage_options = self.options.storage_options
         self.process_group = process_group

@@ -1,0 +1,264 @@
+"""Where a job's memory tier lives on a host, and how a trainer finds (or starts) its holder.
+
+Names, for a user id ``uid`` and a job key ``key`` (:func:`job_key`), under
+``<memory_dir>/nostall-<uid>/`` (the *base*: 0700, owned by the user, never a
+symbolic link):
+
+- ``<key>/``: the memory root (an ordinary checkpoint root in tmpfs);
+- ``<key>.holder``: the holder's mark, ``{"pid": ..., "token": ...}`` (0600),
+  made by the holder before it listens;
+- ``<key>.lock``: the ``flock`` under which one rank of the host starts the holder;
+- ``<key>.log``: the holder's log;
+- the abstract unix socket ``\\0nostall-memory-<uid>-<key>`` (no file; one per
+  network namespace, so per host).
+
+A trainer trusts a holder only when the peer's credentials (``SO_PEERCRED``)
+name its own uid and the pid of the mark, and the holder's hello carries the
+mark's token and the same protocol and nostall versions. This module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from nostall.errors import CheckpointError
+
+log = logging.getLogger("nostall")
+
+PROTOCOL = 1
+DEFAULT_MEMORY_DIR = "/dev/shm"
+_MAX_LINE = 1 << 16
+
+
+class MemoryTierError(CheckpointError):
+    """The memory tier cannot be used (its directory, its holder, or the job's layout); the message says the fix."""
+
+
+def nostall_version() -> str:
+    from nostall import __version__
+
+    return __version__
+
+
+def job_id() -> str:
+    """The job's identity across restarts of its processes: torchrun's run id, else SLURM's job id, else empty."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or ""
+
+
+def job_key(root_url: str, job: str) -> str:
+    """The key of a job's memory tier on a host: 20 hex digits of sha256(persistent root URL, newline, job id)."""
+    return hashlib.sha256(f"{root_url}\n{job}".encode()).hexdigest()[:20]
+
+
+def base_dir(memory_dir: Optional[str]) -> str:
+    """``<memory_dir>/nostall-<uid>``, made 0700 if missing; refused unless it is a directory of this user,
+    not a symbolic link, that no one else may enter."""
+    parent = memory_dir or (DEFAULT_MEMORY_DIR if os.path.isdir(DEFAULT_MEMORY_DIR) else "/tmp")
+    path = os.path.join(os.path.abspath(parent), f"nostall-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise MemoryTierError(f"cannot make the memory tier's directory {path}: {e}; set memory_dir to a "
+                              "writable tmpfs directory") from e
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise MemoryTierError(f"{path} is not a private directory of this user (a symbolic link, another owner, "
+                              "or open to others): nostall will not keep checkpoints there; remove it or set "
+                              "memory_dir elsewhere")
+    return path
+
+
+def socket_name(key: str) -> bytes:
+    return f"\0nostall-memory-{os.getuid()}-{key}".encode()
+
+
+def mark_path(base: str, key: str) -> str:
+    return os.path.join(base, f"{key}.holder")
+
+
+def log_path(base: str, key: str) -> str:
+    return os.path.join(base, f"{key}.log")
+
+
+def read_mark(base: str, key: str) -> Optional[Dict[str, Any]]:
+    """The holder's mark (pid, token), or None when there is none (or it is no mark of ours)."""
+    try:
+        fd = os.open(mark_path(base, key), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > 4096:
+            return None
+        mark = json.loads(os.read(fd, 4096) or b"null")
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(mark, dict) or not isinstance(mark.get("pid"), int) or not isinstance(mark.get("token"), str):
+        return None
+    return mark
+
+
+def send(sock: socket.socket, msg: Dict[str, Any]) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def recv(sock: socket.socket, buf: bytearray, deadline: float) -> Optional[Dict[str, Any]]:
+    """The next message on ``sock`` (None at end of stream), bounded by ``deadline``."""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("no answer from the holder")
+        sock.settimeout(left)
+        chunk = sock.recv(4096)
+        if not chunk:
+            return None
+        buf += chunk
+        if len(buf) > _MAX_LINE:
+            raise ValueError("message too long")
+    line, _, rest = bytes(buf).partition(b"\n")
+    buf[:] = rest
+    msg = json.loads(line)
+    if not isinstance(msg, dict):
+        raise ValueError("not a message")
+    return msg
+
+
+class HolderLink:
+    """A verified connection to a job's holder on this host."""
+
+    def __init__(self, sock: socket.socket, pid: int, base: str, key: str) -> None:
+        self.sock = sock
+        self.pid = pid
+        self.base = base
+        self.key = key
+        self._buf = bytearray()
+
+    def ask(self, msg: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+        """Send ``msg`` and wait (bounded) for the holder's answer."""
+        try:
+            send(self.sock, msg)
+            got = recv(self.sock, self._buf, time.monotonic() + timeout)
+        except (OSError, ValueError) as e:
+            raise MemoryTierError(f"the memory tier's holder (pid {self.pid}) did not answer {msg.get('op')!r}: "
+                                  f"{e}") from e
+        if got is None:
+            raise MemoryTierError(f"the memory tier's holder (pid {self.pid}) closed the connection")
+        return got
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def connect(base: str, key: str, timeout: float) -> Optional[HolderLink]:
+    """A verified link to the job's holder, or None when none listens. Refuses (:class:`MemoryTierError`) a
+    listener that cannot prove it is this job's holder made by nostall for this user, or runs other code."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_name(key))
+        except (ConnectionRefusedError, FileNotFoundError):
+            sock.close()
+            return None
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        try:
+            hello = recv(sock, bytearray(), time.monotonic() + timeout)
+        except (OSError, ValueError):  # no hello in time, or not ours: refused below
+            hello = None
+        mark = read_mark(base, key)
+        problem = ""
+        if uid != os.getuid():
+            problem = f"it runs as uid {uid}, not {os.getuid()}"
+        elif hello is None or mark is None or mark["pid"] != pid or hello.get("token") != mark["token"]:
+            problem = f"pid {pid} does not hold the mark {mark_path(base, key)} (a socket nostall did not make)"
+        elif hello.get("protocol") != PROTOCOL or hello.get("version") != nostall_version():
+            problem = (f"it runs other code (nostall {hello.get('version')}, protocol {hello.get('protocol')}; "
+                       f"this trainer: nostall {nostall_version()}, protocol {PROTOCOL}): stop it (kill {pid}) "
+                       "and restart the job")
+        if problem:
+            raise MemoryTierError(f"the memory tier's holder for {base}/{key} is refused: {problem}")
+        return HolderLink(sock, pid, base, key)
+    except BaseException:
+        sock.close()
+        raise
+
+
+_HOLDER_MAIN = "import sys\nfrom nostall.memory.holder import main\nsys.exit(main(sys.argv[1:]))\n"
+
+
+def ensure_holder(base: str, key: str, idle_s: float, timeout: float) -> Tuple[HolderLink, Optional[subprocess.Popen]]:
+    """A link to the job's holder on this host, started here when none runs (under the host's ``flock``, so
+    that one rank starts it). Returns the link and, when this process started the holder, its ``Popen``."""
+    link = connect(base, key, timeout)
+    if link is not None:
+        return link, None
+    lock = os.path.join(base, f"{key}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise MemoryTierError(f"{lock} stayed locked for {timeout:.0f}s (another rank starting the "
+                                          "holder)") from None
+                time.sleep(0.01)
+        link = connect(base, key, timeout)
+        if link is not None:
+            return link, None
+        env = dict(os.environ)
+        pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        env["NOSTALL_PROCESS_ROLE"] = "holder"
+        # Its log goes to a file of its own: an inherited stderr (a pipe) would be held open past the trainer,
+        # and whoever reads that pipe to its end would wait for the holder.
+        logfd = os.open(log_path(base, key), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        0o600)
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _HOLDER_MAIN, base, key, repr(float(idle_s))],
+                                    stdin=subprocess.DEVNULL, stdout=logfd, stderr=logfd, env=env, close_fds=True,
+                                    start_new_session=True)
+        finally:
+            os.close(logfd)
+        log.debug("memory tier: holder %d started for %s/%s", proc.pid, base, key)
+        while True:
+            link = connect(base, key, timeout)
+            if link is not None:
+                return link, proc
+            code = proc.poll()
+            if code is not None:
+                link = connect(base, key, timeout)  # (status 0: another holder bound the socket first)
+                if link is not None:
+                    return link, None
+                raise MemoryTierError(f"the memory tier's holder for {base}/{key} exited at start (status {code}; "
+                                      f"its log: {log_path(base, key)})")
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise MemoryTierError(f"the memory tier's holder for {base}/{key} did not listen within "
+                                      f"{timeout:.0f}s")
+            time.sleep(0.01)
+    finally:
+        os.close(fd)  # releases the flock

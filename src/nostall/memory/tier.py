@@ -1,0 +1,197 @@
+"""The manager's side of the memory tier: where a save goes, the freshest complete tier on restore, release.
+
+docs/protocol.md, "Memory tier". One :class:`Tiers` per manager with
+``Options.memory_tier``: it attaches to the job's holder on this host
+(starting it if none runs), refuses ranks on several hosts (a later slice),
+claims the memory root on rank 0 (which removes what a crashed memory save
+left there), routes the saves that are not persistent to the memory root, and
+at restore picks the newest step that is committed in every rank's memory
+root when it is newer than the persistent root's latest. This module does not
+import torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+from nostall.core.jobs import Destination
+from nostall.errors import CheckpointLoadError
+from nostall.memory.rendezvous import HolderLink, MemoryTierError, base_dir, ensure_holder, job_id, job_key
+from nostall.options import Options
+from nostall.planning.comm import Comm
+from nostall.storage.posix import PosixRoot
+from nostall.storage.root import Claim, step_name
+
+log = logging.getLogger("nostall")
+
+__all__ = ["Tiers", "Restored", "MemoryTierError"]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """How one rank's last ``load()`` of a manager with a memory tier went (``mgr.last_restore``).
+
+    ``tier``: ``"memory"`` or ``"persistent"``. ``bytes_read``: data-file
+    bytes this rank read from that tier (None when the load does not say: a
+    state-dict load). ``persistent_bytes_read``: those read from the
+    persistent root (0 for a memory restore: its data files are not opened).
+    ``seconds``: the load, agreement included (not the process start-up).
+    ``fell_back``: why the memory checkpoint was refused, on which rank(s),
+    when the restore fell back to the persistent root.
+    """
+
+    tier: str
+    step: Optional[int]
+    path: str
+    bytes_read: Optional[int]
+    persistent_bytes_read: Optional[int]
+    seconds: float
+    fell_back: Optional[str] = None
+
+
+def _host_identity(base: str) -> Tuple[str, str, int, int]:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    st = os.stat(base)
+    return socket.gethostname(), boot, st.st_dev, st.st_ino
+
+
+class Tiers:
+    """A manager's memory tier (collective to create: every rank of ``comm``)."""
+
+    def __init__(self, options: Options, root_url: str, comm: Comm) -> None:
+        settings = options.memory_tier
+        assert settings is not None
+        self.settings = settings
+        self.comm = comm
+        self.persist_every = settings.persist_every
+        self._claim: Optional[Claim] = None
+        self._proc: Optional[subprocess.Popen] = None
+        self._link: Optional[HolderLink] = None
+        error: Optional[str] = None
+        ident: Any = None
+        try:
+            base = base_dir(settings.memory_dir)
+            key = job_key(root_url, job_id())
+            self._link, self._proc = ensure_holder(base, key, settings.idle_s, options.timeout)
+            got = self._link.ask({"op": "attach", "rank": comm.rank}, options.timeout)
+            if got.get("root") != os.path.join(base, key):
+                raise MemoryTierError(f"the holder (pid {self._link.pid}) serves {got.get('root')!r}, not "
+                                      f"{os.path.join(base, key)!r}")
+            self.root = PosixRoot(os.path.join(base, key))
+            ident = _host_identity(base)
+        except Exception as e:  # every rank must learn it: the others would wait in the exchange below
+            error = f"rank {comm.rank}: {e}"
+        try:
+            every = comm.all_gather((error, ident)) if comm.size > 1 else [(error, ident)]
+            errors = [e for e, _ in every if e]
+            if errors:
+                raise MemoryTierError(f"the memory tier (persist_every={self.persist_every}) cannot start: "
+                                      f"{'; '.join(errors)}")
+            hosts = {i for _, i in every}
+            if len(hosts) > 1:
+                raise MemoryTierError(
+                    f"the memory tier (persist_every={self.persist_every}) keeps a job's snapshots on one host in "
+                    f"this version, and the ranks of this job run on {len(hosts)} hosts (peer replication, which "
+                    "extends it to several, is not built yet): unset persist_every for this job")
+            if comm.rank == 0:
+                claim = self.root.claim()  # also removes what a crashed memory save left in the memory root
+                if claim.held:
+                    self._claim = claim
+            log.info("rank %d: memory tier in %s (holder pid %d): a save is persistent every %d steps, in memory "
+                     "otherwise", comm.rank, self.root.url, self._link.pid if self._link else -1, self.persist_every)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ saves
+    def takes(self, step: Optional[int], path: Any) -> bool:
+        """Whether ``save(step, path=path)`` goes to the memory tier."""
+        return path is None and step is not None and step % self.persist_every != 0
+
+    def destination(self, step: int) -> Destination:
+        """The memory root's ``step_<N>``, moving its ``latest``, keeping ``memory_keep`` snapshots."""
+        return Destination(self.root, step_name(step), step, "", move_latest=True, keep_last=self.settings.keep)
+
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` (a save's checkpoint) is in the memory root."""
+        return os.path.dirname(path) == self.root.url
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, persistent_latest: Callable[[], Optional[int]], load_memory: Callable[[str], Any],
+                load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]]) -> Tuple[Any, Restored]:
+        """Load from the freshest complete tier (collective): the newest step committed in every rank's memory
+        root when it is newer than the persistent root's latest (rank 0's view of it), else the persistent
+        root; a memory load that fails on any rank makes every rank fall back to the persistent root."""
+        comm = self.comm
+        t0 = time.perf_counter()
+        mine = self.root.steps()
+        latest = persistent_latest() if comm.rank == 0 else None
+        every = comm.all_gather((mine, latest)) if comm.size > 1 else [(mine, latest)]
+        latest = every[0][1]
+        common = set(every[0][0]).intersection(*(set(s) for s, _ in every[1:]))
+        step = max(common) if common else None
+        fell_back: Optional[str] = None
+        if step is not None and (latest is None or step > latest):
+            path = self.root.path(step_name(step))
+            error: Optional[str] = None
+            result: Any = None
+            try:
+                result = load_memory(path)
+            except Exception as e:  # any failure: every rank must agree before falling back
+                error = f"rank {comm.rank}: {type(e).__name__}: {e}"
+            errors = [e for e in (comm.all_gather(error) if comm.size > 1 else [error]) if e]
+            if not errors:
+                restored = Restored("memory", step, path, bytes_of(result), 0, time.perf_counter() - t0)
+                log.info("rank %d: restored step %d from the memory tier (%s) in %.3fs, 0 bytes from the persistent "
+                         "root", comm.rank, step, path, restored.seconds)
+                return result, restored
+            fell_back = "; ".join(errors)
+            log.warning("rank %d: the memory checkpoint of step %d is refused (%s): restoring from the persistent "
+                        "root (latest: %s)", comm.rank, step, fell_back, latest)
+            if latest is None:
+                raise CheckpointLoadError(f"the memory checkpoint of step {step} in {self.root.url} is refused "
+                                          f"({fell_back}) and the persistent root has no checkpoint: nothing to "
+                                          "restore; start from scratch")
+        result = load_persistent()
+        n = bytes_of(result)
+        return result, Restored("persistent", latest, "", n, n, time.perf_counter() - t0, fell_back)
+
+    def newest(self) -> Optional[int]:
+        """The newest step committed in every rank's memory root, or None (collective)."""
+        mine = self.root.steps()
+        every = self.comm.all_gather(mine) if self.comm.size > 1 else [mine]
+        common = set(every[0]).intersection(*(set(s) for s in every[1:]))
+        return max(common) if common else None
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, release: bool = True, timeout: float = 10.0) -> None:
+        """Release the root's claim and the holder (``release``: this rank's manager is done with the memory
+        tier: the holder deletes it once every attached manager released it). Bounded; idempotent."""
+        if self._claim is not None:
+            self._claim.release()
+            self._claim = None
+        link, self._link = self._link, None
+        if link is not None:
+            if release:
+                try:
+                    link.ask({"op": "release"}, timeout)
+                except MemoryTierError as e:
+                    log.warning("rank %d: could not release the memory tier: %s", self.comm.rank, e)
+            link.close()
+        proc, self._proc = self._proc, None
+        if proc is not None:  # started by this process: reaped if it exits now (else it goes on for the others)
+            try:
+                proc.wait(0.5 if release else 0.0)
+            except subprocess.TimeoutExpired:
+                pass
+

@@ -1,0 +1,199 @@
+"""Issue 27, the memory tier on one host (docs/protocol.md, "Memory tier"; docs/reliability.md, "Tiers").
+
+Two real gloo ranks save every step, to memory, and to the persistent root every
+4th step; the trainers are SIGKILLed; a new job on the same root restores the
+newest memory step bit-exact without reading a byte of the persistent root's
+data files (they are zero-filled before the restore: a read of any of them
+would fail its checksum). Also: ``close()`` on every rank releases the holder
+(process gone, its directory in ``/dev/shm`` gone); the holder exits when no
+manager reattaches within its idle bound; at most ``keep`` committed
+snapshots are held; a corrupted snapshot is refused by the load's checksums
+and every rank falls back to the persistent root; a socket that cannot prove
+it is the job's holder is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+import nostall
+from nostall.memory.rendezvous import MemoryTierError, base_dir, connect, job_key, socket_name
+from nostall.options import MemoryTier, Options
+from tests.dist_harness import run_ranks
+
+_N = 50000
+_PERSIST = 4
+
+
+def _state(step: int, rank: int):
+    return {"w": nostall.ShardedTensor(torch.arange(_N, dtype=torch.float32) * (step + 1) + rank * _N,
+                                       (2 * _N,), (rank * _N,)),
+            "b": torch.full((100,), float(step)), "step": step}
+
+
+def _template(rank: int):
+    return {"w": nostall.ShardedTensor(torch.zeros(_N), (2 * _N,), (rank * _N,)), "b": torch.zeros(100), "step": -1}
+
+
+def _tier(shm, idle_s=120.0, keep=1):
+    return MemoryTier(persist_every=_PERSIST, memory_dir=shm, idle_s=idle_s, keep=keep)
+
+
+def _save_then_die(rank, world, root, shm, out, last, idle_s, keep):
+    mgr = nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm, idle_s, keep))
+    held = []
+    for step in range(1, last + 1):
+        mgr.save(step, _state(step, rank))
+        mgr.finalize_pending_saves()
+        held.append(mgr._tiers.root.steps())  # committed memory snapshots after each save
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"holder": mgr._tiers._link.pid, "memory_root": mgr._tiers.root.url, "held": held,
+                   "persistent": mgr.steps()}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _restore(rank, world, root, shm):
+    with nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm)) as mgr:
+        t = _template(rank)
+        got = mgr.load(t)
+        step = got["step"]
+        exact = torch.equal(t["w"].data, _state(step, rank)["w"].data) and torch.equal(t["b"], _state(step, 0)["b"])
+        r = mgr.last_restore
+        holder = mgr._tiers._link.pid
+        return {"step": step, "exact": exact, "tier": r.tier, "persistent_bytes_read": r.persistent_bytes_read,
+                "fell_back": r.fell_back, "holder": holder, "memory_root": mgr._tiers.root.url}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, bound: float = 30.0) -> bool:
+    deadline = time.monotonic() + bound
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _gone(pid)
+
+
+def _crash(tmp, last=6, idle_s=120.0, keep=1):
+    root, shm, out = str(tmp / "run"), str(tmp / "shm"), str(tmp / "out")
+    os.makedirs(shm)
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _save_then_die, root, shm, out, last, idle_s, keep, timeout=180, grace=30)
+    return root, shm, [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+
+def _zero_fill_data_files(root: str) -> int:
+    """Overwrite every data file of the persistent root with zeros (same size); returns how many."""
+    n = 0
+    for d in os.listdir(root):
+        if d.startswith("step_"):
+            for f in os.listdir(os.path.join(root, d)):
+                if f.endswith(".safetensors"):
+                    p = os.path.join(root, d, f)
+                    size = os.path.getsize(p)
+                    with open(p, "r+b") as fh:
+                        fh.write(b"\0" * size)
+                    n += 1
+    return n
+
+
+def test_a_trainer_crash_restores_the_newest_memory_step_with_nothing_read_from_the_root(tmp_path):
+    root, shm, ranks = _crash(tmp_path)
+    assert ranks[0]["holder"] == ranks[1]["holder"]  # one holder per host
+    holder = ranks[0]["holder"]
+    assert not _gone(holder)  # it outlives the trainers
+    for r in ranks:
+        assert r["persistent"] == [4]
+        assert all(len(h) <= 1 for h in r["held"]), r["held"]  # the bound: keep=1 committed snapshot
+        assert r["held"][-1] == [6]
+    assert _zero_fill_data_files(root) == 2  # any read of the persistent root's data would now fail its checksum
+    got = run_ranks(2, _restore, root, shm, timeout=180)
+    for g in got:
+        assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"], g["fell_back"]) == (
+            6, "memory", True, 0, None), g
+        assert g["holder"] == holder  # the restarted job found the holder again
+    assert _wait_gone(holder)  # close() on every rank released it
+    assert not os.path.exists(ranks[0]["memory_root"])
+    assert os.listdir(os.path.join(shm, f"nostall-{os.getuid()}")) == []
+
+
+def test_a_corrupted_snapshot_is_refused_and_every_rank_falls_back_to_the_persistent_root(tmp_path):
+    root, shm, ranks = _crash(tmp_path)
+    data = os.path.join(ranks[0]["memory_root"], "step_6", "rank1.safetensors")
+    with open(data, "r+b") as fh:  # one bit flipped in rank 1's snapshot, past its header
+        fh.seek(os.path.getsize(data) - 1000)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 1]))
+    got = run_ranks(2, _restore, root, shm, timeout=180)
+    for g in got:
+        assert (g["step"], g["tier"], g["exact"]) == (4, "persistent", True), g
+        assert "rank 1" in g["fell_back"] and "checksum" in g["fell_back"].lower(), g["fell_back"]
+    assert _wait_gone(ranks[0]["holder"])
+
+
+def test_the_holder_releases_the_tier_when_no_manager_reattaches_within_its_idle_bound(tmp_path):
+    root, shm, ranks = _crash(tmp_path, last=2, idle_s=2.0)
+    holder = ranks[0]["holder"]
+    assert _wait_gone(holder, 60.0)
+    assert not os.path.exists(ranks[0]["memory_root"])
+    assert os.listdir(os.path.join(shm, f"nostall-{os.getuid()}")) == []
+
+
+def _save_and_close(rank, world, root, keep):
+    with nostall.CheckpointManager(root, async_save=True, timeout=30,
+                                   memory_tier=MemoryTier(persist_every=_PERSIST, keep=keep)) as mgr:
+        held = []
+        for step in range(1, 7):
+            mgr.save(step, _state(step, rank))
+            mgr.finalize_pending_saves()
+            held.append(mgr._tiers.root.steps())
+        return {"holder": mgr._tiers._link.pid, "memory_root": mgr._tiers.root.url, "held": held}
+
+
+def test_close_releases_the_holder_and_its_shared_memory(tmp_path):
+    root = str(tmp_path / "run")
+    got = run_ranks(2, _save_and_close, root, 2, timeout=180)
+    holder, mroot = got[0]["holder"], got[0]["memory_root"]
+    assert mroot.startswith(f"/dev/shm/nostall-{os.getuid()}/")  # the default: host shared memory
+    assert [h for h in got[0]["held"]] == [[1], [1, 2], [2, 3], [2, 3], [3, 5], [5, 6]]  # keep=2
+    assert _wait_gone(holder)
+    key = os.path.basename(mroot)
+    assert not [n for n in os.listdir(os.path.dirname(mroot)) if n.startswith(key)]
+
+
+def test_a_socket_that_is_not_the_jobs_holder_is_refused(tmp_path):
+    base = base_dir(str(tmp_path))
+    key = job_key(str(tmp_path / "run"), "")
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake.bind(socket_name(key))
+    fake.listen(1)
+    try:
+        with pytest.raises(MemoryTierError, match="does not hold the mark"):
+            connect(base, key, 2.0)
+    finally:
+        fake.close()
+    assert connect(base, key, 2.0) is None  # nobody listens
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError, match="keep must be 1 or 2"):
+        MemoryTier(persist_every=2, keep=0)
+    with pytest.raises(ValueError, match="persist_every"):
+        MemoryTier(persist_every=0)
+    with pytest.raises(ValueError, match="incremental"):
+        Options(memory_tier=MemoryTier(persist_every=2), incremental=True)
+    assert Options().memory_tier is None  # off by default
