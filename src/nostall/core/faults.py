@@ -36,6 +36,18 @@ ENV = "NOSTALL_TEST_CRASH"
 ROLE_ENV = "NOSTALL_PROCESS_ROLE"
 
 
+TOKEN_ENV = "NOSTALL_TEST_WRITER_CODE"
+"""A test's stand-in for the code token of a writer process (:func:`code_token_override`)."""
+
+
+def code_token_override() -> str:
+    """In a writer process, ``NOSTALL_TEST_WRITER_CODE`` when set: the code token it then claims to run, so that a
+    test shows a trainer a writer of other code (the version handshake). "" otherwise (always in a trainer)."""
+    if os.environ.get(ROLE_ENV) != "writer":
+        return ""
+    return os.environ.get(TOKEN_ENV, "")
+
+
 ROLES = ("trainer", "writer")
 POINTS = ("planned", "staged", "write.start", "write.done", "upload.done", "commit.ready", "commit.manifest",
           "commit.renamed", "retain.moved")

@@ -27,7 +27,9 @@ from nostall.core.faults import ROLE_ENV
 from nostall.errors import CheckpointError, CheckpointTimeoutError
 from nostall.core.jobs import JobResult, Msg, Op, SaveJob, Segment
 from nostall.saving.area import StagingArea
-from nostall.saving.writer import LOG_LEVEL_ENV, ManifestRecords, without_records
+from nostall.saving.writer import (
+    CODE_TOKEN_ENV, LOG_LEVEL_ENV, ManifestRecords, WriterVersionError, code_token, version_refusal, without_records,
+)
 
 log = logging.getLogger("nostall")
 
@@ -90,6 +92,8 @@ class BackgroundWriter:
         self._stash: list = []  # messages read ahead by ready()
         self._behind = False  # a job was reported since the last flush (its retention may still run)
         self._held: Optional[ManifestRecords] = None  # the tensor records the writer process holds (rank 0)
+        self._greeted = False  # the writer's first message (which code it runs) was read
+        self.refused: Optional[WriterVersionError] = None  # the writer runs other code than this trainer
         self._start()
 
     # ------------------------------------------------------------------ process
@@ -100,6 +104,7 @@ class BackgroundWriter:
         env["PYTHONPATH"] = os.pathsep.join([pkg_parent] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         env[ROLE_ENV] = "writer"
         env[LOG_LEVEL_ENV] = str(logging.getLogger("nostall").getEffectiveLevel())
+        env[CODE_TOKEN_ENV] = code_token()
         # rank 0: the root's lock, shared, so that it stays held while an orphan writer finishes a whole job
         lock = self.root.held_lock() if self.root is not None else None
         try:
@@ -120,6 +125,7 @@ class BackgroundWriter:
         self._conn = Connection(os.dup(parent.fileno()))
         self._attached_generation = 0
         self._held = None
+        self._greeted, self.refused = False, None
         log.debug("rank %d: writer process %d started", self.rank, self.proc.pid)
         if self.root is not None:
             self._conn.send(Msg(Op.WARM, root=self.root))
@@ -132,13 +138,35 @@ class BackgroundWriter:
         return self.proc is not None and self.proc.poll() is None
 
     def ensure_alive(self) -> None:
-        """Start a fresh writer if the previous one died."""
-        if self.alive():
-            return
-        code = self.proc.returncode if self.proc is not None else None
-        log.warning("rank %d: writer process exited (code %s); starting a new one", self.rank, code)
-        self._close_channel()
-        self._start()
+        """Start a fresh writer if the previous one died; raise :class:`WriterVersionError` if the writer's first
+        message, read by now (never waited for here), says it runs other code than this trainer."""
+        if not self.alive():
+            code = self.proc.returncode if self.proc is not None else None
+            log.warning("rank %d: writer process exited (code %s); starting a new one", self.rank, code)
+            self._close_channel()
+            self._start()
+        if not self._greeted and self._conn is not None and self._conn.poll(0):
+            try:  # the writer's first message is its hello: anything else (a writer of old code) is kept
+                msg = self._conn.recv()
+                if not self._hello(msg):
+                    self._stash.append(msg)
+            except (EOFError, OSError):
+                pass  # it died: the job's wait finds out
+        if self.refused is not None:
+            raise self.refused
+
+    def _hello(self, msg: Msg) -> bool:
+        """Whether ``msg`` is the writer's first message, which says which code it runs (then checked:
+        a writer of other code is :attr:`refused`; it refuses every job itself too)."""
+        if self._greeted or msg.op is not Op.PONG or not msg.text:
+            return False
+        self._greeted = True
+        mine = code_token()
+        if msg.text != mine:
+            self.refused = WriterVersionError(f"rank {self.rank}: " + version_refusal(mine, msg.text, os.getpid(),
+                                                                                      msg.size))
+            log.error("%s", self.refused)
+        return True
 
     def _close_channel(self) -> None:
         self._stash = []
@@ -170,7 +198,7 @@ class BackgroundWriter:
                 except (EOFError, OSError):
                     msg = None  # fall through to the liveness check
                 if msg is not None:
-                    if msg.op in skip:
+                    if self._hello(msg) or msg.op in skip:
                         continue
                     return msg
             if not self.alive():
@@ -243,6 +271,8 @@ class BackgroundWriter:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 return False
+            if self._hello(msg):
+                continue
             if msg.op is Op.RESULT:
                 self._stash.append(msg)
                 return True

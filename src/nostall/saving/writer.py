@@ -19,6 +19,8 @@ jobs that follow (:func:`with_records`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import mmap
 import os
@@ -36,6 +38,7 @@ from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tupl
 from nostall.saving.commit import COMMIT_SLACK_S, RecordBarrier, run_job
 from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, report_pacing, write_files
 from nostall.errors import CheckpointSaveError
+from nostall.core.faults import code_token_override
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.jobs import Done, FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
 from nostall.storage import files as storage
@@ -118,6 +121,52 @@ def write_chunked(area: memoryview, feed: ChunkFeed, release: bool = True) -> Wr
             return collect(job, outs, sums.result(), base)
 
     return write
+
+
+# --------------------------------------------------------------------------- the code a process runs
+
+CODE_TOKEN_ENV = "NOSTALL_CODE_TOKEN"
+"""The trainer's :func:`code_token`, in the environment of the writer it starts."""
+
+
+class WriterVersionError(CheckpointSaveError):
+    """A background writer runs other nostall code than its trainer: it is refused, never used."""
+
+
+@functools.lru_cache(maxsize=None)
+def _source_token() -> str:
+    import nostall
+
+    digest = hashlib.sha256()
+    top = os.path.dirname(os.path.abspath(nostall.__file__))
+    for folder, dirs, names in os.walk(top):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, top).encode() + b"\0")
+            try:
+                with open(path, "rb") as f:
+                    digest.update(f.read())
+            except OSError as e:  # unreadable: counted as such (both sides see the same)
+                digest.update(f"<{e.errno}>".encode())
+            digest.update(b"\0")
+    return f"{nostall.__version__}+{digest.hexdigest()[:16]}"
+
+
+def code_token() -> str:
+    """Which nostall code this process runs: its version and a hash of the package's source files, computed
+    once per process. A trainer and the processes serving it (its writer) must show the same
+    (docs/protocol.md, "Lifetime"); a test may give a writer another one
+    (:func:`~nostall.core.faults.code_token_override`)."""
+    return code_token_override() or _source_token()
+
+
+def version_refusal(trainer: str, writer: str, trainer_pid: int, writer_pid: int) -> str:
+    """What a trainer and its writer say when their code differs (``trainer``/``writer``: their tokens)."""
+    return (f"the background writer process {writer_pid} runs nostall {writer}, its trainer (pid {trainer_pid}) "
+            f"runs nostall {trainer}: the installed nostall changed under the running job (reinstalled or "
+            "upgraded since the trainer started), so the writer is refused and writes nothing. Restart the job "
+            "so that every process runs the same code")
 
 
 # --------------------------------------------------------------------------- the process
@@ -278,6 +327,15 @@ class _Barrier(RecordBarrier):
         return got
 
 
+def _refuse(why: str) -> Writer:
+    """A job's write, in a writer whose code differs from its trainer's: nothing is written."""
+
+    def write(job: SaveJob, staging: str, base: Optional[Base]) -> Written:
+        raise WriterVersionError(f"rank {job.rank}: {why}")
+
+    return write
+
+
 class _Server:
     """The writer process's state between messages: the channel, the mapped staging area, the history.
 
@@ -305,6 +363,7 @@ class _Server:
         self._reported = False  # this rank (not 0) has reported its part of the job
         self._orphan_at: Optional[float] = None  # when the watchdog found the trainer gone
         self._noted = False  # the orphan's work was announced (log, lock record)
+        self.refused = ""  # why this writer serves no job (its code differs from the trainer's), or ""
 
     # ------------------------------------------------------------------ the trainer gone
     def live_on(self) -> float:
@@ -418,6 +477,9 @@ class _Server:
                 return
         start = time.monotonic()
         deadline = start + job.timeout
+        if self.refused:  # the job goes through the protocol (so that no rank waits), writing nothing
+            self.conn.send(Msg(Op.RESULT, result=run_job(job, _refuse(self.refused), RecordBarrier())))
+            return
         write = (write_chunked(self.view, _stream_feed(self.conn, job, deadline), release=False) if job.streamed
                  else write_chunked(self.view, _chunk_feed(self.conn, deadline)) if job.chunked
                  else from_area(self.view))
@@ -475,6 +537,16 @@ def main(fd: int, lock_fd: int = -1, orphan: Optional[List[Callable[[], float]]]
     server = _Server(fd, lock_fd if lock_fd >= 0 else None)
     if orphan is not None:
         orphan.append(server.live_on)
+    # The handshake: the first message says which code this writer runs (the trainer checks it too), and a
+    # writer whose code differs from its trainer's serves no job.
+    mine, theirs = code_token(), os.environ.get(CODE_TOKEN_ENV, "")
+    if theirs and theirs != mine:
+        server.refused = version_refusal(theirs, mine, server.trainer, os.getpid())
+        log.error("%s", server.refused)
+    try:
+        server.conn.send(Msg(Op.PONG, size=os.getpid(), text=mine))
+    except OSError:
+        _exit_now()  # the trainer is gone already
     try:
         while True:
             try:
