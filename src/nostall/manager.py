@@ -14,6 +14,7 @@ import weakref
 from typing import Any, Callable, ContextManager, Deque, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from nostall.planning.comm import Comm, make_comm
+from nostall.core.exports import ExportJob, ExportOutcome, ExportTarget
 from nostall.core.faults import Faults
 from nostall.saving.background import BackgroundWriter
 from nostall.errors import CheckpointError, CheckpointNotFoundError, CheckpointSaveError
@@ -25,6 +26,7 @@ from nostall.options import NOT_GIVEN, MemoryTier, NotGiven, Options, options_fr
 from nostall.memory.tier import Restored, Tiers
 from nostall.storage.root import Claim, Root, step_name
 from nostall.storage.locate import open_root, resolve, split_checkpoint
+from nostall.saving.exports import ExportRuns
 from nostall.saving.saver import PendingSave, Saver
 from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training
 
@@ -160,7 +162,7 @@ class CheckpointManager:
             (shared with ``Strategy``).
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
-        check_replicas, max_write_rate, incremental, full_every, shared_loads,
+        check_replicas, max_write_rate, export, incremental, full_every, shared_loads,
         read_once, preemption_signal, grace_s, exit_on_preemption, memory_tier: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`. Each may be passed as a keyword
@@ -219,6 +221,7 @@ class CheckpointManager:
         staging_budget_bytes: Union[Optional[int], NotGiven] = NOT_GIVEN,
         check_replicas: Union[Optional[bool], NotGiven] = NOT_GIVEN,
         max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
+        export: Union[Optional[ExportTarget], NotGiven] = NOT_GIVEN,
         incremental: Union[bool, NotGiven] = NOT_GIVEN,
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
@@ -234,7 +237,7 @@ class CheckpointManager:
             keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors, block_size=block_size,
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
-            max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
+            max_write_rate=max_write_rate, export=export, incremental=incremental, full_every=full_every,
             shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
             exit_on_preemption=exit_on_preemption, memory_tier=memory_tier,
         ), "CheckpointManager()")
@@ -268,6 +271,7 @@ class CheckpointManager:
         self._waited_out: Optional[PendingSave] = None  # a pending save whose full wait already ran out
         self._claim: Optional[Claim] = None
         self._stats: Deque[SaveStats] = collections.deque(maxlen=1000)
+        self._exports = ExportRuns()  # the export at save time (Options.export), one at a time
         self._writer: Optional[BackgroundWriter] = None
         self._preemption: Optional[_Preemption] = None  # this manager's signal handler, while installed
         self._preemption_noted = False  # the preemption was logged
@@ -536,7 +540,8 @@ class CheckpointManager:
              scheduler: Any = None, rng: bool = False, extra: Any = None, layout: Optional[ParallelLayout] = None,
              path: Any = None, files: Optional[Mapping[str, Any]] = None, driver: Any = None,
              async_save: Optional[bool] = None,
-             overlap: Optional[bool] = None, stage_now: Any = None) -> SaveHandle:
+             overlap: Optional[bool] = None, stage_now: Any = None,
+             export: Union[None, bool, ExportTarget] = None) -> SaveHandle:
         """Save checkpoint ``step``; a collective call over the group.
 
         Either training objects, read as they are now::
@@ -591,11 +596,17 @@ class CheckpointManager:
         running statistics, say): a callable ``key -> bool``, or key
         prefixes (``"model/bn1."`` for a ``state_dict()`` saved under
         ``"model"``).
+
+        ``export``: this save's export at save time (see ``Options.export``):
+        None: the manager's; False: none; an export target: that one. It runs
+        after the commit, off the training thread; the next ``save()`` waits
+        for it first, and :meth:`export_result` gives its outcome.
         """
         if not (step is None and path is not None) and (isinstance(step, bool) or not isinstance(step, int)
                                                          or step < 0):
             raise ValueError(f"step must be a non-negative int (None only with path=), got {step!r}")
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "save", driver=driver)
+        target = self._export_target(export, step)
         use_async = self.options.async_save if async_save is None else bool(async_save)
         if self.options.fallback_sync:
             use_async = False
@@ -610,6 +621,8 @@ class CheckpointManager:
             with self._lock:
                 handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap,
                                            stage_now, t_call)
+                if target is not None:
+                    self._start_export(target, handle, use_async)
             if not use_async:
                 handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
         return handle
@@ -647,6 +660,45 @@ class CheckpointManager:
             self._watch_commit(handle, run=False)
         self._handles.append(handle)
         return handle
+
+    def _export_target(self, export: Union[None, bool, ExportTarget], step: Optional[int]) -> Optional[ExportTarget]:
+        """The export a save runs (``save(export=)``, else the manager's), its step checked."""
+        if export is None or export is True:
+            target = self.options.export
+        elif export is False:
+            target = None
+        elif isinstance(export, ExportTarget):
+            target = export
+        else:
+            raise TypeError(f"save(): export must be None, False or an export target (HFExport), got {export!r}")
+        if target is not None:
+            target.check_step(step)
+        return target
+
+    def _start_export(self, target: ExportTarget, handle: SaveHandle, use_async: bool) -> None:
+        """After ``save()`` (lock held): the save's export, in a thread that starts once the save is committed."""
+        job = ExportJob(handle.path, handle.step, self.rank, self.world_size, self.options.timeout, self._faults)
+        self._exports.start(target, job, None if use_async else True, self._peek, 3 * self.options.timeout)
+
+    def export_result(self, timeout: Optional[float] = None) -> ExportOutcome:
+        """The outcome of the latest export at save time on this rank, once it finished (a wait bounded by
+        ``timeout``, default the manager's; past it the export is cancelled). Raises its
+        :class:`~nostall.core.exports.CheckpointExportError` when it failed (rank 0's outcome is the
+        export's; another rank's is its own part's), and :class:`~nostall.CheckpointError` when no export ran.
+        Settles a pending save first (its failure is still raised by the next call, as always)."""
+        wait = self.options.timeout if timeout is None else timeout
+        with self._shielded(), self._lock:
+            self._check_open()
+            if self._pending is not None:
+                self._settle(wait)
+            self._exports.wait(wait)
+            outcome = self._exports.last
+        if outcome is None:
+            raise CheckpointError(f"rank {self.rank}: no export at save time ran on this manager (Options.export, "
+                                  "save(..., export=))")
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome
 
     def _save_async(self, step: Optional[int], state: Any, dest: Destination, t_call: float, use_overlap: bool,
                     stage_now: Any, files: Optional[Mapping[str, Any]]) -> SaveHandle:
@@ -710,9 +762,11 @@ class CheckpointManager:
         except CheckpointSaveError as e:
             handle._set_exception(e)
             self._unraised = e
+            self._exports.settled(False)
             return
         self._stats.append(stats)
         handle._set_result(stats)
+        self._exports.settled(True)
 
     def _drive(self, timeout: Optional[float]) -> None:
         """SaveHandle.result()/exception(): settle (retention included), without raising here."""
@@ -806,6 +860,7 @@ class CheckpointManager:
             if due is not None and self._pending is not None:
                 due.append(self._pending[1])
             self._settle(timeout)
+            self._exports.wait(self.options.timeout if timeout is None else timeout)  # logged if it failed
             if flush and self._writer is not None:
                 self._writer.flush(self.options.timeout if timeout is None else timeout)
             if self._unraised is not None:
@@ -1015,6 +1070,7 @@ class CheckpointManager:
         release the root's claim and the group."""
         self._closed = True
         self._pending = None
+        self._exports.close(1.0)  # one still running here ran past close()'s bound: cancelled
         self._handles = []
         for hook in self._hooks:
             hook.remove()

@@ -28,6 +28,7 @@ import signal
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
+from nostall.core.exports import ExportTarget
 from nostall.core.format import DEFAULT_BLOCK_SIZE
 
 __all__ = ["Options", "NOT_GIVEN", "NotGiven", "check_block_size", "check_preemption_signal", "options_from"]
@@ -113,6 +114,10 @@ class Options:
             paced. Pacing never costs a save its deadline: it sleeps only
             within the first half of ``timeout``, then writes the rest at
             full speed (with a warning).
+        export: an export at save time (``nostall.interop.hf_export.HFExport("hf/step_{step}")``): after each
+            committed save, every rank writes its share of a ``from_pretrained``-loadable directory from
+            the committed checkpoint, off the training thread, made visible at once (docs/interop.md,
+            "Exporting at save time"); ``save(..., export=False)`` skips it for one save. None: no export.
         incremental: each save writes only the pieces whose bytes changed
             since the manager's previous committed save in its root; the
             others are read from the earlier checkpoint's files (proven equal
@@ -173,6 +178,7 @@ class Options:
     overlap: bool = False
     staging_budget_bytes: Optional[int] = None
     check_replicas: Optional[bool] = None
+    export: Optional[ExportTarget] = None
     max_write_rate: Optional[float] = None
     incremental: bool = False
     full_every: Optional[int] = None
@@ -191,6 +197,9 @@ class Options:
         if self.errors not in ("raise", "log"):
             raise ValueError(f"errors must be 'raise' or 'log', got {self.errors!r}")
         check_block_size(self.block_size)
+        if self.export is not None and not isinstance(self.export, ExportTarget):
+            raise ValueError(f"export must be None or an export target (nostall.interop.hf_export.HFExport), got "
+                             f"{type(self.export).__name__}")
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ValueError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
         if self.staging_budget_bytes is not None:

@@ -16,7 +16,9 @@ save. The points, in the order a save reaches them:
 ``planned``, ``staged`` (trainer, async), ``write.start``, ``write.done`` (whoever writes), ``upload.done``,
 ``commit.ready``, ``commit.manifest``, ``commit.renamed``, ``retain.moved``
 (whoever commits: rank 0's writer for async saves, rank 0's trainer for sync
-ones).
+ones); then, with an export at save time (in each rank's trainer),
+``export.written`` (a rank's files are written, its done mark not yet) and
+``export.publish`` (rank 0, everything written, before the rename into place).
 A malformed value is refused (``ValueError``) when a :class:`Faults` is made,
 that is where a manager (or a saver, or a storage root) starts: :func:`check_env`.
 
@@ -50,7 +52,7 @@ def code_token_override() -> str:
 
 ROLES = ("trainer", "writer")
 POINTS = ("planned", "staged", "write.start", "write.done", "upload.done", "commit.ready", "commit.manifest",
-          "commit.renamed", "retain.moved")
+          "commit.renamed", "retain.moved", "export.written", "export.publish")
 
 
 def _parse(spec: str) -> Tuple[str, str, str]:
@@ -87,6 +89,8 @@ class Faults:
     ``writer_fault``: ``"enospc"`` fails the writing of the files like a full disk.
     ``stage_delay_s``: the copy into host memory (async saves) sleeps this long (before each chunk, when the
     copy goes in chunks: a budget's, or an overlapped save's streamed ones).
+    ``export_fault``: ``"eio"`` fails an export at save time like an I/O error, after the first region of this
+    rank's first file is written.
     ``fail``: storage operation -> errno, raised as ``OSError`` when the
     operation runs (operations: ``"latest"``, ``"outcome"``, ``"manifest"``,
     ``"record"``); ``fail_times`` limits how often (default: every time).
@@ -97,6 +101,7 @@ class Faults:
     writer_delay_s: float = 0.0
     writer_fault: Optional[str] = None
     stage_delay_s: float = 0.0
+    export_fault: Optional[str] = None
     fail: Dict[str, int] = field(default_factory=dict)
     fail_times: Dict[str, int] = field(default_factory=dict)
     writer_gate: str = ""
@@ -122,6 +127,11 @@ class Faults:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the test's gate {self.writer_gate} did not open (test fault)")
             time.sleep(0.05)
+
+    def check_export(self, name: str) -> None:
+        """An export at save time wrote a region of file entry ``name``: the armed fault."""
+        if self.export_fault == "eio":
+            raise OSError(errno.EIO, "Input/output error (test fault)", name)
 
     def check_write(self, path: str) -> None:
         """The writing of a save's files: the armed delay and fault."""

@@ -64,7 +64,9 @@ from nostall.interop._common import Progress, ProgressFn, Source, split_key
 
 log = logging.getLogger("nostall.interop")
 
-__all__ = ["export", "ExportReport", "select_keys", "CreatedFiles", "DEFAULT_MEMORY_LIMIT", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["export", "ExportReport", "select_keys", "CreatedFiles", "DEFAULT_MEMORY_LIMIT", "DEFAULT_MAX_SHARD_SIZE",
+           "Item", "Streamer", "select_items", "shard_groups", "shard_file_names", "side_plan", "check_side_names",
+           "write_shard", "write_index", "write_side_files", "read_budget", "cast_dtype"]
 
 DEFAULT_MEMORY_LIMIT = 1 << 30
 DEFAULT_MAX_SHARD_SIZE = 5 << 30
@@ -155,6 +157,11 @@ def _out_dtype(stored: torch.dtype, want: Optional[Union[str, torch.dtype]]) -> 
         raise ValueError(f"unknown dtype {want!r}; one of {sorted(_DTYPES)}") from None
 
 
+def cast_dtype(want: str) -> torch.dtype:
+    """The dtype ``want`` names (``"bf16"``, ``"fp16"``, ``"fp32"``...), or ``ValueError`` listing the known names."""
+    return _out_dtype(torch.float32, want)
+
+
 def _slabs(shape: Shape, max_elems: int) -> Iterator[Tuple[Shape, Shape]]:
     """Boxes that tile ``shape`` in C order, each contiguous in memory and of at most
     ``max_elems`` elements (whole rows when a row fits, else recursively inside a row)."""
@@ -175,7 +182,7 @@ def _slabs(shape: Shape, max_elems: int) -> Iterator[Tuple[Shape, Shape]]:
 
 
 @dataclass
-class _Item:
+class Item:
     name: str
     key: str
     rec: TensorRecord
@@ -187,7 +194,7 @@ class _Item:
         return numel(self.rec.shape) * self.out_dtype.itemsize
 
 
-class _Streamer:
+class Streamer:
     """Reads a tensor slab by slab within a memory budget, and writes each slab at its file offset."""
 
     def __init__(self, src: Source, memory_limit: int, progress: Progress) -> None:
@@ -199,19 +206,19 @@ class _Streamer:
         # let go after each slab's read
         self.spans = src.spans.most(src.manifest.block_size)
 
-    def _read_mem(self, item: _Item) -> int:
+    def _read_mem(self, item: Item) -> int:
         """The most bytes the span buffers hold while a slab of ``item`` is read: within their budget, and no
         more than the item's stored pieces and the gaps a span may take in between two of them."""
         pieces = item.rec.pieces
         return min(self.spans, sum(p.nbytes for p in pieces) + COALESCE_GAP * max(0, len(pieces) - 1))
 
-    def _cost(self, item: _Item, n: int) -> int:
+    def _cost(self, item: Item, n: int) -> int:
         """Bytes held while a slab of ``n`` elements is read and written: the slab, and the read
         engine's span buffers while it is read or the cast copy after."""
         cast = n * item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
         return n * item.src_dtype.itemsize + max(self._read_mem(item), cast)
 
-    def slab_elems(self, item: _Item) -> int:
+    def slab_elems(self, item: Item) -> int:
         """The most elements one slab of ``item`` may hold within the limit."""
         si = item.src_dtype.itemsize
         so = item.out_dtype.itemsize if item.out_dtype != item.src_dtype else 0
@@ -226,7 +233,7 @@ class _Streamer:
             )
         return max(n, 1)
 
-    def write(self, item: _Item, write_at: Callable[[int, memoryview], None]) -> None:
+    def write(self, item: Item, write_at: Callable[[int, memoryview], None]) -> None:
         """Stream ``item``; ``write_at(byte offset within the tensor, bytes)`` stores each slab."""
         shape = tuple(item.rec.shape)
         max_elems = self.slab_elems(item)
@@ -247,6 +254,9 @@ class _Streamer:
             write_at(start, byte_view(cast))
             self.progress.advance(n * so)
             del buf, cast
+
+
+_Streamer = Streamer  # its former name (tests patch ``export._Streamer.write``)
 
 
 class CreatedFiles:
@@ -354,12 +364,12 @@ def export(src: str, dst: str, *, to: str = "safetensors", keys: Optional[Sequen
     source = Source(src, storage_options=storage_options, verify=verify, manifest=manifest,
                     read_budget=read_budget(memory_limit, manifest.block_size))
     try:
-        items, tied = _select(source.manifest, src, keys, strip_prefix, separator, dtype)
+        items, tied = select_items(source.manifest, src, keys, strip_prefix, separator, dtype)
         prog = Progress(f"export {src} -> {dst}", sum(i.nbytes for i in items), progress)
-        streamer = _Streamer(source, memory_limit, prog)
+        streamer = Streamer(source, memory_limit, prog)
         for it in items:
             streamer.slab_elems(it)  # fail before writing anything if the limit is too small
-        side, skipped = _side_plan(to, source.manifest, src)
+        side, skipped = side_plan(to, source.manifest, src)
         files, side_paths = _write_all(to, items, tied, dst, max_shard_size, overwrite, streamer, side,
                                        lambda rec: read_side_file(src, rec, storage_options))
         prog.finish()
@@ -376,15 +386,15 @@ def read_budget(memory_limit: int, block_size: int) -> int:
     return min(SPAN_BUDGET, max(memory_limit // 4, 2 * block_size))
 
 
-def _select(m: Manifest, src: str, keys: Optional[Sequence[str]], strip_prefix: Optional[str], separator: str,
-            dtype: Optional[Union[str, torch.dtype]]) -> Tuple[List[_Item], Dict[str, str]]:
+def select_items(m: Manifest, src: str, keys: Optional[Sequence[str]], strip_prefix: Optional[str], separator: str,
+            dtype: Optional[Union[str, torch.dtype]]) -> Tuple[List[Item], Dict[str, str]]:
     """The tensors to export, each under its output name, and the tied names left out (tied output
     name -> the output name holding its data). Refuses a selection that matches nothing and two keys
     that export under one name."""
     chosen = select_keys(sorted(m.tensors), keys)
     if keys and not chosen:
         raise CheckpointLoadError(f"no tensor of {src} matches {list(keys)}")
-    items: List[_Item] = []
+    items: List[Item] = []
     seen: Dict[str, str] = {}
     out_name: Dict[str, str] = {}
     chosen_set = set(chosen)
@@ -400,12 +410,12 @@ def _select(m: Manifest, src: str, keys: Optional[Sequence[str]], strip_prefix: 
             tied_keys.append(k)  # its data is exported once, under the name of the key it is tied to
             continue
         sd = torch_dtype(rec.dtype)
-        items.append(_Item(name, k, rec, sd, _out_dtype(sd, dtype)))
+        items.append(Item(name, k, rec, sd, _out_dtype(sd, dtype)))
     tied = {out_name[k]: out_name[m.tensors[k].tied_to] for k in tied_keys}
     return items, tied
 
 
-def _side_plan(to: str, m: Manifest, src: str) -> Tuple[List[Tuple[str, SideFileRecord]], List[str]]:
+def side_plan(to: str, m: Manifest, src: str) -> Tuple[List[Tuple[str, SideFileRecord]], List[str]]:
     """The side files an export writes ((output name, record); a safetensors export) and those it
     leaves out (a torch export, one file)."""
     side: List[Tuple[str, SideFileRecord]] = []
@@ -419,8 +429,8 @@ def _side_plan(to: str, m: Manifest, src: str) -> Tuple[List[Tuple[str, SideFile
     return side, skipped
 
 
-def _write_all(to: str, items: List[_Item], tied: Dict[str, str], dst: str, max_shard_size: int, overwrite: bool,
-               streamer: _Streamer, side: Sequence[Tuple[str, SideFileRecord]],
+def _write_all(to: str, items: List[Item], tied: Dict[str, str], dst: str, max_shard_size: int, overwrite: bool,
+               streamer: Streamer, side: Sequence[Tuple[str, SideFileRecord]],
                read_side: Callable[[SideFileRecord], bytes]) -> Tuple[List[str], List[str]]:
     """Write the export's files (see :func:`_export_safetensors`, :func:`_export_torch`); on any
     failure remove exactly what this export created, nothing else. The files and side files written."""
@@ -438,16 +448,33 @@ def _write_all(to: str, items: List[_Item], tied: Dict[str, str], dst: str, max_
 # --------------------------------------------------------------------------- safetensors
 
 
-def _shards(items: Sequence[_Item], max_size: int) -> List[List[_Item]]:
-    groups: List[List[_Item]] = [[]]
-    size = 0
+def shard_groups(items: Sequence[Item], max_size: int, min_files: int = 1) -> List[List[Item]]:
+    """The tensors of each safetensors file, in order: contiguous runs of ``items``, each of at most
+    ``max_size`` bytes (a bigger tensor gets a file of its own). With ``min_files`` > 1 (the export at
+    save time: one file per rank at least), the runs are also cut near equal shares of the total, into
+    ``max(ceil(total / max_size), min(min_files, len(items)))`` files or one more: a run starts a new
+    file at the tensor whose middle lies past the next share's boundary. Deterministic."""
+    if not items:
+        return []
+    total = sum(it.nbytes for it in items)
+    k = max(-(-total // max_size), min(min_files, len(items)))
+    share = total / k if min_files > 1 and k > 1 else None
+    groups: List[List[Item]] = [[]]
+    size = done = 0
     for it in items:
-        if groups[-1] and size + it.nbytes > max_size:
+        past_share = share is not None and len(groups) < k and done + it.nbytes / 2 > share * len(groups)
+        if groups[-1] and (size + it.nbytes > max_size or past_share):
             groups.append([])
             size = 0
         groups[-1].append(it)
         size += it.nbytes
-    return groups if groups[0] else []
+        done += it.nbytes
+    return groups
+
+
+def shard_file_names(n: int) -> List[str]:
+    """The names of ``n`` safetensors files, as Hugging Face names them."""
+    return [SINGLE_NAME] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
 def _prepare_dir(dst: str, overwrite: bool, created: CreatedFiles) -> None:
@@ -459,7 +486,7 @@ def _prepare_dir(dst: str, overwrite: bool, created: CreatedFiles) -> None:
     created.makedirs(dst)
 
 
-def _check_side_names(side: Sequence[Tuple[str, SideFileRecord]], weights: Sequence[str]) -> None:
+def check_side_names(side: Sequence[Tuple[str, SideFileRecord]], weights: Sequence[str]) -> None:
     """Refuse a side file that would land on (or make a directory of) a weights file or the index."""
     owned = {w: "weights file" for w in weights}
     owned[INDEX_NAME] = "shard index"  # the export's own, even unsharded (a stale one would mislead a reader)
@@ -475,7 +502,7 @@ def _check_side_names(side: Sequence[Tuple[str, SideFileRecord]], weights: Seque
                 )
 
 
-def _write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Callable[[SideFileRecord], bytes],
+def write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Callable[[SideFileRecord], bytes],
                       dst: str, created: CreatedFiles) -> List[Tuple[str, str]]:
     """Each side file read (size and crc32c checked) and written under a temporary name beside its final one."""
     ready: List[Tuple[str, str]] = []
@@ -492,31 +519,31 @@ def _write_side_files(side: Sequence[Tuple[str, SideFileRecord]], read_side: Cal
     return ready
 
 
-def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_size: int, overwrite: bool,
-                        streamer: _Streamer, created: CreatedFiles, side: Sequence[Tuple[str, SideFileRecord]] = (),
+def _export_safetensors(items: List[Item], tied: Dict[str, str], dst: str, max_size: int, overwrite: bool,
+                        streamer: Streamer, created: CreatedFiles, side: Sequence[Tuple[str, SideFileRecord]] = (),
                         read_side: Optional[Callable[[SideFileRecord], bytes]] = None) -> Tuple[List[str], List[str]]:
     """Every file is written under a temporary name; all are renamed into place (the side
     files first, the index last) only once every one is complete. ``tied`` names (tied
     name -> kept name) are left out; the file holding a kept name records the tie in its
     metadata. ``side``: (output name, record) of the side files, read with ``read_side``.
     Returns the paths of the weights files (and index), and of the side files."""
-    groups = _shards(items, max_size)
+    groups = shard_groups(items, max_size)
     n = len(groups)
-    names = [SINGLE_NAME] if n <= 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    _check_side_names(side, names)  # before anything is written
+    names = shard_file_names(n)
+    check_side_names(side, names)  # before anything is written
     _prepare_dir(dst, overwrite, created)
     side_ready: List[Tuple[str, str]] = []
     if side:
         assert read_side is not None
-        side_ready = _write_side_files(side, read_side, dst, created)  # small: a damaged one fails at once
+        side_ready = write_side_files(side, read_side, dst, created)  # small: a damaged one fails at once
     weight_map: Dict[str, str] = {}
     ready: List[Tuple[str, str]] = []  # (temporary, final)
     for fname, group in zip(names, groups or [[]]):
-        ready.append(_write_shard(os.path.join(dst, fname), group, tied, streamer, created))
+        ready.append(write_shard(os.path.join(dst, fname), group, tied, streamer, created))
         for it in group:
             weight_map[it.name] = fname
     if n > 1:
-        ready.append(_write_index(sum(i.nbytes for i in items), weight_map, dst, created))
+        ready.append(write_index(sum(i.nbytes for i in items), weight_map, dst, created))
     for tmp, path in side_ready + ready:
         created.publish(tmp, path)
     written = [path for _, path in ready]
@@ -526,7 +553,7 @@ def _export_safetensors(items: List[_Item], tied: Dict[str, str], dst: str, max_
     return written, [path for _, path in side_ready]
 
 
-def _write_shard(path: str, group: Sequence[_Item], tied: Dict[str, str], streamer: _Streamer,
+def write_shard(path: str, group: Sequence[Item], tied: Dict[str, str], streamer: Streamer,
                  created: CreatedFiles) -> Tuple[str, str]:
     """One safetensors file of ``group``, written under a temporary name beside ``path``, each tensor
     streamed to its place; a ``tied`` name whose kept name is in the file is recorded in its metadata.
@@ -560,7 +587,7 @@ def _write_shard(path: str, group: Sequence[_Item], tied: Dict[str, str], stream
     return tmp, path
 
 
-def _write_index(total_size: int, weight_map: Dict[str, str], dst: str, created: CreatedFiles) -> Tuple[str, str]:
+def write_index(total_size: int, weight_map: Dict[str, str], dst: str, created: CreatedFiles) -> Tuple[str, str]:
     """The shard index of a sharded export, written under a temporary name. (temporary, final)."""
     index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     ipath = os.path.join(dst, INDEX_NAME)
@@ -576,7 +603,7 @@ def _write_index(total_size: int, weight_map: Dict[str, str], dst: str, created:
 # --------------------------------------------------------------------------- torch.save
 
 
-def _export_torch(items: List[_Item], tied: Dict[str, str], dst: str, overwrite: bool, streamer: _Streamer,
+def _export_torch(items: List[Item], tied: Dict[str, str], dst: str, overwrite: bool, streamer: Streamer,
                   created: CreatedFiles) -> str:
     """One torch.save file written without holding the tensors: ``torch.save`` lays the
     file out from shapes only (``torch.serialization.skip_data``: storages are
