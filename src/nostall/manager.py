@@ -509,6 +509,16 @@ class CheckpointManager:
         """
         return self._own_root("latest_step").latest_step()
 
+    def freshest_step(self) -> Optional[int]:
+        """The step ``load()`` restores without ``step``: with a memory tier, the newest step committed in every
+        rank's memory root when it is newer than the persistent root's latest (a collective call), else
+        :meth:`latest_step`; None when there is none. Resume with it rather than ``latest_step()``."""
+        if self._tiers is None:
+            return self.latest_step()
+        with self._lock:
+            self._check_open()
+            return self._tiers.freshest(self.latest_step)[0]
+
     def stats(self) -> List[SaveStats]:
         """Stats of this manager's committed saves, oldest first."""
         return list(self._stats)
@@ -677,7 +687,8 @@ class CheckpointManager:
 
     def _start_export(self, target: ExportTarget, handle: SaveHandle, use_async: bool) -> None:
         """After ``save()`` (lock held): the save's export, in a thread that starts once the save is committed."""
-        job = ExportJob(handle.path, handle.step, self.rank, self.world_size, self.options.timeout, self._faults)
+        job = ExportJob(handle.path, handle.step, self.rank, self.world_size, self.options.timeout, self._faults,
+                        storage_options=self.options.storage_options)
         self._exports.start(target, job, None if use_async else True, self._peek, 3 * self.options.timeout)
 
     def export_result(self, timeout: Optional[float] = None) -> ExportOutcome:
@@ -918,6 +929,14 @@ class CheckpointManager:
         are reported: ``LoadedCheckpoint.missing_keys`` and
         ``unexpected_keys``, and a WARNING of the ``nostall`` logger (a
         ``state`` load returns the restored state as always).
+
+        With a memory tier (``Options.memory_tier``) and neither ``step`` nor
+        ``path``: the freshest complete tier (:meth:`freshest_step`), the
+        memory root's newest step committed on every rank when it is newer
+        than the persistent root's latest; a memory checkpoint that fails to
+        load on any rank (a checksum) makes every rank load the persistent
+        one. :attr:`last_restore` says which tier, and the bytes read from
+        the persistent root (docs/protocol.md, "Memory tier").
         """
         training = _training(state, model, optimizer, scheduler, rng, extra, layout, "load", strict)
         self._check_open()  # at once, before any wait
@@ -932,7 +951,7 @@ class CheckpointManager:
 
                 result, self.last_restore = self._tiers.restore(
                     self.latest_step, load_from, lambda: load_from(None),
-                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None)
+                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None, self.path_for)
                 return result
             return self._load_locked(training, state, path, step, strict, verify, per_rank)
 

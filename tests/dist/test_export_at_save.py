@@ -202,3 +202,18 @@ def test_export_options_are_checked_where_they_are_made():
     with pytest.raises(ValueError, match="export"):
         nostall.Options(export="hf/{step}")
     assert nostall.Options(export=HFExport("hf/{step}")).export == HFExport("hf/{step}")
+
+
+def test_shard_groups_cut_near_equal_shares_only_when_asked():
+    from types import SimpleNamespace
+
+    from nostall.interop.export import shard_groups
+
+    items = [SimpleNamespace(nbytes=n) for n in (10, 10, 10, 10, 40, 5, 5)]  # 90 bytes
+    sizes = lambda groups: [sum(i.nbytes for i in g) for g in groups]  # noqa: E731
+    assert sizes(shard_groups(items, 1000)) == [90]  # the offline export: cut by max_shard_size only
+    assert sizes(shard_groups(items, 50)) == [40, 50]
+    assert sizes(shard_groups(items, 1000, min_files=2)) == [40, 50]
+    assert sizes(shard_groups(items, 1000, min_files=3)) == [30, 50, 10]  # a cut where a middle passes 30, 60
+    assert sizes(shard_groups(items[:1], 1000, min_files=4)) == [10]
+    assert shard_groups([], 1000, min_files=2) == []

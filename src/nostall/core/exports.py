@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import threading
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from nostall.core.faults import Faults
 from nostall.errors import CheckpointSaveError
@@ -34,6 +34,7 @@ class ExportJob:
     world_size: int
     timeout: float  # bound of every wait (rank 0 waiting for the others' parts)
     faults: Faults = field(default_factory=Faults)
+    storage_options: Optional[Dict[str, Any]] = None  # the checkpoint's (an object-storage root)
     cancel: threading.Event = field(default_factory=threading.Event)  # set: stop at the next region, clean up
 
 

@@ -174,7 +174,7 @@ class HFExport(ExportTarget):
         t0 = time.perf_counter()
         dst = self.destination(job.step)
         out = ExportOutcome(job.step, job.rank, path=dst)
-        manifest = read_manifest(job.checkpoint)
+        manifest = read_manifest(job.checkpoint, job.storage_options)
         tag = hashlib.sha256(manifest.to_json_bytes()).hexdigest()[:16]
         items, tied = select_items(manifest, job.checkpoint, list(self.keys), self.strip_prefix, self.separator,
                                    self.dtype)
@@ -200,7 +200,7 @@ class HFExport(ExportTarget):
             os.makedirs(parent, exist_ok=True)
             self._stage_dir(stage)
             if mine:
-                source = Source(job.checkpoint, manifest=manifest,
+                source = Source(job.checkpoint, storage_options=job.storage_options, manifest=manifest,
                                 read_budget=read_budget(self.memory_limit, manifest.block_size))
                 try:
                     mine_items = [it for i in mine for it in groups[i]]
@@ -225,13 +225,15 @@ class HFExport(ExportTarget):
             current = "(waiting for the other ranks' files)"
             self._wait_for(stage, writers, job, where)
             current = "(side files, index)"
-            ready = write_side_files(side, lambda rec: read_side_file(job.checkpoint, rec), stage, created)
+            ready = write_side_files(side, lambda rec: read_side_file(job.checkpoint, rec, job.storage_options), stage,
+                                     created)
             if len(groups) > 1:
                 weight_map = {it.name: names[i] for i, g in enumerate(groups) for it in g}
                 ready.append(write_index(sum(i.nbytes for i in items), weight_map, stage, created))
             for tmp, final in ready:
                 created.publish(tmp, final)
-            record = {"format": "nostall-export", "checkpoint": os.path.abspath(job.checkpoint), "step": job.step,
+            source_path = job.checkpoint if "://" in job.checkpoint else os.path.abspath(job.checkpoint)
+            record = {"format": "nostall-export", "checkpoint": source_path, "step": job.step,
                       "files": names, "tied": tied}
             _mark(stage, MARKER_NAME, json.dumps(record, indent=2, sort_keys=True) + "\n")
             for r in writers:
