@@ -62,12 +62,13 @@ def _save_then_die(rank, world, root, shm, out, last, idle_s, keep):
 def _restore(rank, world, root, shm):
     with nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm)) as mgr:
         t = _template(rank)
+        freshest = mgr.freshest_step()
         got = mgr.load(t)
         step = got["step"]
         exact = torch.equal(t["w"].data, _state(step, rank)["w"].data) and torch.equal(t["b"], _state(step, 0)["b"])
         r = mgr.last_restore
         holder = mgr._tiers._link.pid
-        return {"step": step, "exact": exact, "tier": r.tier, "persistent_bytes_read": r.persistent_bytes_read,
+        return {"step": step, "freshest": freshest, "exact": exact, "tier": r.tier, "persistent_bytes_read": r.persistent_bytes_read,
                 "fell_back": r.fell_back, "holder": holder, "memory_root": mgr._tiers.root.url}
 
 
@@ -122,8 +123,8 @@ def test_a_trainer_crash_restores_the_newest_memory_step_with_nothing_read_from_
     assert _zero_fill_data_files(root) == 2  # any read of the persistent root's data would now fail its checksum
     got = run_ranks(2, _restore, root, shm, timeout=180)
     for g in got:
-        assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"], g["fell_back"]) == (
-            6, "memory", True, 0, None), g
+        assert (g["step"], g["freshest"], g["tier"], g["exact"], g["persistent_bytes_read"], g["fell_back"]) == (
+            6, 6, "memory", True, 0, None), g
         assert g["holder"] == holder  # the restarted job found the holder again
     assert _wait_gone(holder)  # close() on every rank released it
     assert not os.path.exists(ranks[0]["memory_root"])
@@ -143,6 +144,20 @@ def test_a_corrupted_snapshot_is_refused_and_every_rank_falls_back_to_the_persis
         assert (g["step"], g["tier"], g["exact"]) == (4, "persistent", True), g
         assert "rank 1" in g["fell_back"] and "checksum" in g["fell_back"].lower(), g["fell_back"]
     assert _wait_gone(ranks[0]["holder"])
+
+
+def test_a_holder_killed_too_leaves_the_snapshots_to_the_next_holder_which_adopts_them(tmp_path):
+    root, shm, ranks = _crash(tmp_path)
+    holder = ranks[0]["holder"]
+    os.kill(holder, signal.SIGKILL)  # the holder dies too (an OOM kill, say): the tmpfs files stay
+    assert _wait_gone(holder)
+    assert os.path.isdir(os.path.join(ranks[0]["memory_root"], "step_6"))
+    got = run_ranks(2, _restore, root, shm, timeout=180)
+    for g in got:
+        assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"]) == (6, "memory", True, 0), g
+        assert g["holder"] != holder and g["memory_root"] == ranks[0]["memory_root"]
+    assert _wait_gone(got[0]["holder"])
+    assert os.listdir(os.path.join(shm, f"nostall-{os.getuid()}")) == []
 
 
 def test_the_holder_releases_the_tier_when_no_manager_reattaches_within_its_idle_bound(tmp_path):

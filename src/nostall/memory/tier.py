@@ -128,20 +128,16 @@ class Tiers:
 
     # ------------------------------------------------------------------ restore
     def restore(self, persistent_latest: Callable[[], Optional[int]], load_memory: Callable[[str], Any],
-                load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]]) -> Tuple[Any, Restored]:
+                load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]],
+                path_of: Callable[[int], str]) -> Tuple[Any, Restored]:
         """Load from the freshest complete tier (collective): the newest step committed in every rank's memory
         root when it is newer than the persistent root's latest (rank 0's view of it), else the persistent
         root; a memory load that fails on any rank makes every rank fall back to the persistent root."""
         comm = self.comm
         t0 = time.perf_counter()
-        mine = self.root.steps()
-        latest = persistent_latest() if comm.rank == 0 else None
-        every = comm.all_gather((mine, latest)) if comm.size > 1 else [(mine, latest)]
-        latest = every[0][1]
-        common = set(every[0][0]).intersection(*(set(s) for s, _ in every[1:]))
-        step = max(common) if common else None
+        step, latest = self.freshest(persistent_latest)
         fell_back: Optional[str] = None
-        if step is not None and (latest is None or step > latest):
+        if step is not None and step != latest:
             path = self.root.path(step_name(step))
             error: Optional[str] = None
             result: Any = None
@@ -164,14 +160,26 @@ class Tiers:
                                           "restore; start from scratch")
         result = load_persistent()
         n = bytes_of(result)
-        return result, Restored("persistent", latest, "", n, n, time.perf_counter() - t0, fell_back)
+        where = path_of(latest) if latest is not None else ""
+        return result, Restored("persistent", latest, where, n, n, time.perf_counter() - t0, fell_back)
 
-    def newest(self) -> Optional[int]:
-        """The newest step committed in every rank's memory root, or None (collective)."""
+    def freshest(self, persistent_latest: Callable[[], Optional[int]]) -> Tuple[Optional[int], Optional[int]]:
+        """(the step a restore loads, the persistent root's latest), both None when there is nothing (collective).
+
+        The step is the newest committed in every rank's memory root when it
+        is newer than the persistent root's latest (rank 0's view of it, the
+        same on every rank), else that latest.
+        """
+        comm = self.comm
         mine = self.root.steps()
-        every = self.comm.all_gather(mine) if self.comm.size > 1 else [mine]
-        common = set(every[0]).intersection(*(set(s) for s in every[1:]))
-        return max(common) if common else None
+        latest = persistent_latest() if comm.rank == 0 else None
+        every = comm.all_gather((mine, latest)) if comm.size > 1 else [(mine, latest)]
+        latest = every[0][1]
+        common = set(every[0][0]).intersection(*(set(s) for s, _ in every[1:]))
+        memory = max(common) if common else None
+        if memory is not None and (latest is None or memory > latest):
+            return memory, latest
+        return latest, latest
 
     # ------------------------------------------------------------------ lifetime
     def close(self, release: bool = True, timeout: float = 10.0) -> None:
