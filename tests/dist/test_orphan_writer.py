@@ -8,6 +8,9 @@ root's lock record says, and that no process is left.
 - A job not handed over whole (an overlapped save's streamed job, its copy
   still running) dies with its trainer: nothing of it is committed, the
   lock's record never names an orphan, and the previous checkpoint loads.
+- A streamed job whose every chunk the trainer sent before dying (the
+  writer held by the test's gate, ``Faults.writer_gate``, so that it has
+  read none of them yet) is finished by the orphans and committed.
 - A restarted job finds the root's lock held by rank 0's orphan writer,
   which is finishing a whole job (held by the test's gate,
   ``Faults.writer_gate``): it waits for it, then takes the root and finds
@@ -108,6 +111,40 @@ def test_an_orphan_with_a_job_not_handed_over_whole_dies_and_commits_nothing(tmp
     assert (latest, steps) == (1, [1])
     assert not os.path.exists(os.path.join(root, "step_2"))
     assert "writer_of" not in _lock_record(root)  # no orphan ever took the job on
+
+
+def _stream_then_die(rank, world, root, out_dir, gate):
+    with nostall.CheckpointManager(root, async_save=True, timeout=60, overlap=True) as mgr:
+        mgr.save(1, _state(1, rank)).result()
+        mgr._faults.writer_gate = gate  # the writer reads none of the chunks before the trainer is gone
+        mgr.save(2, _state(2, rank))
+        for t in threading.enumerate():  # the overlapped copy: every chunk staged and sent
+            if t.name.startswith("nostall-staging"):
+                t.join(BOUND_S)
+                assert not t.is_alive()
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"writer": mgr.writer_pid, "trainer": os.getpid()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_an_orphan_finishes_a_streamed_job_whose_every_chunk_was_sent(tmp_path, capfd):
+    root, out = str(tmp_path / "run"), str(tmp_path / "out")
+    gate = str(tmp_path / "gate")
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _stream_then_die, root, out, gate, timeout=120, grace=30)
+    pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    # rank 0's orphan holds the root's lock and says so, its chunks still unread
+    _wait("the orphan writer's lock record", lambda: _lock_record(root).get("writer_of") == pids[0]["trainer"])
+    assert not _gone(pids[0]["writer"]) and not _gone(pids[1]["writer"])
+    open(gate, "w").close()
+    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    latest, steps = _load_latest(root)
+    assert (latest, steps) == (2, [1, 2])
+    err = capfd.readouterr().err
+    for r in range(2):  # each orphan took on a job still being fed: the rest of it was in its socket
+        assert f"rank {r}: the trainer (pid {pids[r]['trainer']}) is gone; finishing the save of step 2 it " \
+               "handed over, as far as it staged it" in err
 
 
 def _resume(rank, world, root, out_dir):

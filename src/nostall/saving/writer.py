@@ -15,6 +15,11 @@ Rank 0's job carries the manifest to commit, whose bulk (the tensor records)
 is the same for every save of one plan: it travels apart from the job
 (:func:`without_records`), once per plan, and the writer keeps it for the
 jobs that follow (:func:`with_records`).
+
+A writer whose trainer died finishes a job handed over whole, bounded, and
+nothing else (:meth:`_Server.live_on`; docs/protocol.md, "Lifetime"). Its
+first message says which code it runs (:func:`code_token`); a writer of other
+code than its trainer's writes nothing ("Which code").
 """
 
 from __future__ import annotations
@@ -24,7 +29,6 @@ import hashlib
 import logging
 import mmap
 import os
-import select
 import signal
 import socket
 import sys
@@ -206,10 +210,23 @@ def _log_like_the_trainer() -> None:
     logger.propagate = False
 
 
-def _next_chunk(conn: Any, deadline: float, last: int) -> Msg:
+class Feeding:
+    """What a chunked or streamed job's feed tells the writer: that a chunk message is being read
+    (``receiving``), and that the last one has arrived (``whole``: every byte of the job is in the area now,
+    and the trainer touches the area no more). No-ops by default."""
+
+    def receiving(self, on: bool) -> None:
+        """A chunk message is being read (True), or was read and taken in (False)."""
+
+    def whole(self) -> None:
+        """The job's last chunk has arrived."""
+
+
+def _next_chunk(conn: Any, deadline: float, last: int, feeding: Feeding) -> Msg:
     """The trainer's next CHUNK message (bounded by ``deadline``); a CHUNK_ABORT raises."""
     if not conn.poll(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"no staged chunk from the trainer after chunk {last}")
+    feeding.receiving(True)
     msg: Msg = conn.recv()
     if msg.op is Op.CHUNK_ABORT:
         raise CheckpointSaveError(f"the trainer stopped staging: {msg.text}")
@@ -218,15 +235,22 @@ def _next_chunk(conn: Any, deadline: float, last: int) -> Msg:
     return msg
 
 
-def _chunk_feed(conn: Any, deadline: float) -> ChunkFeed:
+def _chunk_feed(conn: Any, job: SaveJob, deadline: float, feeding: Feeding) -> ChunkFeed:
     """Chunks of the job in progress, from the trainer (CHUNK or CHUNK_ABORT messages)."""
     last = [-1]
 
     def feed() -> Optional[List[Segment]]:
         if last[0] >= 0:
-            conn.send(Msg(Op.CHUNK_DONE, index=last[0]))  # its half of the area may be reused
-        msg = _next_chunk(conn, deadline, last[0])
+            try:
+                conn.send(Msg(Op.CHUNK_DONE, index=last[0]))  # its half of the area may be reused
+            except OSError:  # the trainer is gone: the chunks it sent before are still read (an orphan's job)
+                pass
+        msg = _next_chunk(conn, deadline, last[0], feeding)
         last[0] = msg.index
+        segs = msg.segments or []
+        if segs and segs[-1].file == len(job.files) - 1 and segs[-1].end == job.files[-1].size:
+            feeding.whole()  # the last byte is staged: nothing more to come
+        feeding.receiving(False)
         return msg.segments
 
     return feed
@@ -276,14 +300,18 @@ def stream_segments(job: SaveJob) -> Callable[[int], List[Segment]]:
     return upto
 
 
-def _stream_feed(conn: Any, job: SaveJob, deadline: float) -> ChunkFeed:
+def _stream_feed(conn: Any, job: SaveJob, deadline: float, feeding: Feeding) -> ChunkFeed:
     """Chunks of a streamed job: each CHUNK message says how far the area is staged (``size``)."""
     segments = stream_segments(job)
     last = [-1]
+    end = max((f.area_offset + f.size for f in job.files), default=0)
 
     def feed() -> Optional[List[Segment]]:
-        msg = _next_chunk(conn, deadline, last[0])
+        msg = _next_chunk(conn, deadline, last[0], feeding)
         last[0] = msg.index
+        if msg.size >= end:
+            feeding.whole()  # the area is staged past the job's last byte: nothing more to come
+        feeding.receiving(False)
         return segments(msg.size)
 
     return feed
@@ -336,7 +364,7 @@ def _refuse(why: str) -> Writer:
     return write
 
 
-class _Server:
+class _Server(Feeding):
     """The writer process's state between messages: the channel, the mapped staging area, the history.
 
     Also what the watchdog asks once the trainer is gone (:meth:`live_on`, from its own thread): a job
@@ -359,7 +387,8 @@ class _Server:
         self._receiving = False  # a message is being read (it may be a job)
         self._job: Optional[SaveJob] = None  # the job being run
         self._until = 0.0  # when a whole job's own bound runs out (monotonic)
-        self._whole = False  # the job may be finished by an orphan (handed over whole, where that is safe)
+        self._may = False  # the job may be finished by an orphan once handed over whole (where that is safe)
+        self._whole = False  # ... and it is: every byte is in the area, none to come
         self._reported = False  # this rank (not 0) has reported its part of the job
         self._orphan_at: Optional[float] = None  # when the watchdog found the trainer gone
         self._noted = False  # the orphan's work was announced (log, lock record)
@@ -368,34 +397,39 @@ class _Server:
     # ------------------------------------------------------------------ the trainer gone
     def live_on(self) -> float:
         """The watchdog, once the trainer is gone (every 0.1 s): how many seconds more this process may live
-        (0: kill it now). A whole job is finished within its own bound; a message the trainer sent before
-        dying is still read (within :data:`ORPHAN_DRAIN_S`); anything else ends now."""
+        (0: kill it now). A whole job is finished within its own bound; what the trainer sent before dying is
+        still read (a job: within :data:`ORPHAN_DRAIN_S`; the rest of a job being fed that an orphan may
+        finish: within the job's bound, the job becoming whole with its last chunk); anything else ends now."""
         now = time.monotonic()
         with self._state:
             if self._orphan_at is None:
                 self._orphan_at = now
-            if self._job is None:
-                if (self._receiving or self._readable()) and now - self._orphan_at < ORPHAN_DRAIN_S:
-                    return ORPHAN_DRAIN_S - (now - self._orphan_at)
-                return 0.0
-            if not self._whole or self._reported:
+            pending = self._receiving or self._unread()
+            job = self._job
+            if job is None:  # the trainer's last message may be a job
+                return ORPHAN_DRAIN_S - (now - self._orphan_at) if pending else 0.0
+            if self._reported or not self._may or not (self._whole or pending):
                 return 0.0
             if not self._noted:
                 self._noted = True
-                self._note_orphan(self._job, self._until - now)
+                self._note_orphan(job, self._until - now)
             return max(0.0, self._until - now)
 
-    def _readable(self) -> bool:
+    def _unread(self) -> bool:
+        """Whether bytes the trainer sent are still unread (not counting the end of the stream)."""
         try:
-            return bool(select.select([self.sock], [], [], 0)[0])
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
         except (OSError, ValueError):
             return False
 
     def _note_orphan(self, job: SaveJob, left: float) -> None:
         """Say that this orphan finishes ``job``: in the log, and (rank 0) in the root's lock record, which a
         new manager reads to wait for us (bounded) rather than refuse the root."""
-        log.warning("rank %d: the trainer (pid %d) is gone; finishing the save of step %s it handed over whole "
-                    "(within %.0fs), then exiting", job.rank, self.trainer, job.step, left)
+        log.warning("rank %d: the trainer (pid %d) is gone; finishing the save of step %s it handed over%s "
+                    "(within %.0fs), then exiting", job.rank, self.trainer, job.step,
+                    " whole" if self._whole else ", as far as it staged it", left)
         if self.lock_fd is not None and job.rank == 0:
             data = lock_record(writer_of=self.trainer, step=job.step, until=time.time() + left)
             try:  # longer than the trainer's record: written over it in one write, then cut to its length
@@ -405,14 +439,17 @@ class _Server:
                 log.warning("rank 0: could not note the orphan writer in the root's lock record: %s", e)
 
     def _may_finish(self, job: SaveJob) -> bool:
-        """Whether an orphan may finish ``job``: handed over whole (no chunk to come), on a root whose lock
-        keeps a restarted job off it, and rank 0's writer holding that lock."""
-        return (not job.chunked and not job.streamed and job.dest.root.orphans_may_finish
-                and (job.rank != 0 or self.lock_fd is not None))
+        """Whether an orphan may finish ``job`` once it is handed over whole (no chunk to come): on a root
+        whose lock keeps a restarted job off it, and rank 0's writer holding that lock."""
+        return job.dest.root.orphans_may_finish and (job.rank != 0 or self.lock_fd is not None)
 
     def receiving(self, on: bool) -> None:
         with self._state:
             self._receiving = on
+
+    def whole(self) -> None:
+        with self._state:
+            self._whole = self._may
 
     def reported(self) -> None:
         with self._state:
@@ -480,12 +517,13 @@ class _Server:
         if self.refused:  # the job goes through the protocol (so that no rank waits), writing nothing
             self.conn.send(Msg(Op.RESULT, result=run_job(job, _refuse(self.refused), RecordBarrier())))
             return
-        write = (write_chunked(self.view, _stream_feed(self.conn, job, deadline), release=False) if job.streamed
-                 else write_chunked(self.view, _chunk_feed(self.conn, deadline)) if job.chunked
-                 else from_area(self.view))
+        write = (write_chunked(self.view, _stream_feed(self.conn, job, deadline, self), release=False)
+                 if job.streamed else write_chunked(self.view, _chunk_feed(self.conn, job, deadline, self))
+                 if job.chunked else from_area(self.view))
         with self._state:
             self._job, self._until, self._reported = job, deadline + ORPHAN_SLACK_S, False
-            self._whole = self._may_finish(job)
+            self._may = self._may_finish(job)
+            self._whole = self._may and not job.chunked and not job.streamed
             self._receiving = False
         later: List[Callable[[], None]] = []
         try:
