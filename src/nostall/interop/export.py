@@ -59,6 +59,7 @@ from nostall.errors import CheckpointLoadError, CheckpointSaveError
 from nostall.core.format import FileEntry, Manifest, SideFileRecord, TensorRecord, layout_file
 from nostall.loading.engine import COALESCE_GAP, SPAN_BUDGET
 from nostall.loading.manifests import read_manifest, read_side_file
+from nostall.storage.files import FileWriter
 from nostall.core.model import numel
 from nostall.interop._common import Progress, ProgressFn, Source, split_key
 
@@ -571,9 +572,8 @@ def write_shard(path: str, group: Sequence[Item], tied: Dict[str, str], streamer
             metadata.setdefault(gone, kept)  # as safetensors.torch.save_model records a dropped shared name
     header, where, size = layout_file(entries, metadata)
     tmp = created.temp_for(path)
-    with open(tmp, "r+b") as f:
-        f.write(header)
-        f.truncate(size)
+    with FileWriter(tmp) as f:  # the disk starts writing each region as it comes (as a save's data files)
+        f.write(memoryview(header))
         for it in sorted(group, key=lambda i: where[i.name][0]):
             base = where[it.name][0]
 
@@ -582,8 +582,8 @@ def write_shard(path: str, group: Sequence[Item], tied: Dict[str, str], streamer
                 f.write(data)
 
             streamer.write(it, write_at)
-        f.flush()
-        os.fsync(f.fileno())
+        f.seek(size)
+        f.finish()  # cut at the size (a last empty tensor), fsync
     return tmp, path
 
 
