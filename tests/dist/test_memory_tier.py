@@ -214,3 +214,29 @@ def test_settings_are_checked():
     with pytest.raises(ValueError, match="incremental"):
         Options(memory_tier=MemoryTier(persist_every=2), incremental=True)
     assert Options().memory_tier is None  # off by default
+
+
+def _sync_one_rank(rank, world, root, shm):
+    committed = []
+    with nostall.CheckpointManager(root, timeout=30, memory_tier=_tier(shm),
+                                   on_commit=lambda h: committed.append(h.step)) as mgr:
+        paths = [mgr.save(step, {"w": torch.arange(_N) * step, "step": step}).path
+                 for step in range(1, 6)]  # synchronous saves
+        freshest = mgr.freshest_step()
+        t = {"w": torch.zeros(_N, dtype=torch.int64), "step": -1}
+        got = mgr.load(t)
+        exact = torch.equal(t["w"], torch.arange(_N) * 5)
+        holder = mgr._tiers._link.pid
+        return {"paths": paths, "committed": committed, "freshest": freshest, "step": got["step"], "exact": exact,
+                "tier": mgr.last_restore.tier, "latest": mgr.latest_step(), "holder": holder}
+
+
+def test_synchronous_saves_go_to_memory_too_and_on_commit_is_for_persistent_saves_only(tmp_path):
+    root, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    (g,) = run_ranks(1, _sync_one_rank, root, shm, timeout=120)
+    assert [os.path.dirname(p) == root for p in g["paths"]] == [False, False, False, True, False]
+    assert g["committed"] == [4]  # a memory save is not durable: no on_commit
+    assert (g["freshest"], g["step"], g["tier"], g["exact"], g["latest"]) == (5, 5, "memory", True, 4)
+    assert _wait_gone(g["holder"])
+    assert os.listdir(os.path.join(shm, f"nostall-{os.getuid()}")) == []
