@@ -240,3 +240,27 @@ def test_synchronous_saves_go_to_memory_too_and_on_commit_is_for_persistent_save
     assert (g["freshest"], g["step"], g["tier"], g["exact"], g["latest"]) == (5, 5, "memory", True, 4)
     assert _wait_gone(g["holder"])
     assert os.listdir(os.path.join(shm, f"nostall-{os.getuid()}")) == []
+
+
+def _stage_memory_save_then_die(rank, world, root, shm, out):
+    mgr = nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm))
+    mgr.save(1, _state(1, rank)).result()
+    mgr._faults.writer_delay_s = 2.0  # the writer cannot have committed step 2 before the kill
+    mgr.save(2, _state(2, rank))  # to memory, handed whole to the writer
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"holder": mgr._tiers._link.pid, "writer": mgr.writer_pid, "memory_root": mgr._tiers.root.url}, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_memory_save_handed_whole_to_every_writer_is_still_committed_when_the_trainers_die(tmp_path):
+    root, shm, out = str(tmp_path / "run"), str(tmp_path / "shm"), str(tmp_path / "out")
+    os.makedirs(shm)
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _stage_memory_save_then_die, root, shm, out, timeout=180, grace=30)
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    assert all(_wait_gone(r["writer"], 90.0) for r in ranks)  # the orphan writers finish (bounded), then exit
+    got = run_ranks(2, _restore, root, shm, timeout=180)
+    for g in got:
+        assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"]) == (2, "memory", True, 0), g
+    assert _wait_gone(ranks[0]["holder"])
