@@ -264,3 +264,28 @@ def test_a_memory_save_handed_whole_to_every_writer_is_still_committed_when_the_
     for g in got:
         assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"]) == (2, "memory", True, 0), g
     assert _wait_gone(ranks[0]["holder"])
+
+
+def _two_hosts(rank, world, root, shm):
+    from nostall.memory import tier
+
+    if rank == 1:  # as if rank 1 ran on another host
+        tier._host_identity = lambda base: ("elsewhere", "another-boot", 0, 0)
+    try:
+        nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm))
+    except MemoryTierError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_on_several_hosts_are_refused_on_every_rank_naming_the_fix(tmp_path):
+    root, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    got = run_ranks(2, _two_hosts, root, shm, timeout=120)
+    for e in got:
+        assert e is not None and "2 hosts" in e and "memory_tier" in e, e
+    base = os.path.join(shm, f"nostall-{os.getuid()}")
+    deadline = time.monotonic() + 30
+    while os.listdir(base) and time.monotonic() < deadline:  # released: the holder deletes its files and exits
+        time.sleep(0.1)
+    assert os.listdir(base) == []

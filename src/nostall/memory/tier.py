@@ -102,7 +102,7 @@ class Tiers:
                 raise MemoryTierError(
                     f"the memory tier (persist_every={self.persist_every}) keeps a job's snapshots on one host in "
                     f"this version, and the ranks of this job run on {len(hosts)} hosts (peer replication, which "
-                    "extends it to several, is not built yet): unset persist_every for this job")
+                    "extends it to several, is not built yet): drop memory_tier for this job")
             if comm.rank == 0:
                 claim = self.root.claim()  # also removes what a crashed memory save left in the memory root
                 if claim.held:
