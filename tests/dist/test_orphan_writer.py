@@ -11,6 +11,8 @@ root's lock record says, and that no process is left.
 - A streamed job whose every chunk the trainer sent before dying (the
   writer held by the test's gate, ``Faults.writer_gate``, so that it has
   read none of them yet) is finished by the orphans and committed.
+- A trainer killed alone (rank 1): its orphan writer writes its part and
+  its record, and rank 0 (alive) commits the save.
 - A restarted job finds the root's lock held by rank 0's orphan writer,
   which is finishing a whole job (held by the test's gate,
   ``Faults.writer_gate``): it waits for it, then takes the root and finds
@@ -145,6 +147,37 @@ def test_an_orphan_finishes_a_streamed_job_whose_every_chunk_was_sent(tmp_path, 
     for r in range(2):  # each orphan took on a job still being fed: the rest of it was in its socket
         assert f"rank {r}: the trainer (pid {pids[r]['trainer']}) is gone; finishing the save of step 2 it " \
                "handed over, as far as it staged it" in err
+
+
+def _one_trainer_dies(rank, world, root, out_dir, gate):
+    with nostall.CheckpointManager(root, async_save=True, timeout=60) as mgr:
+        mgr.save(1, _state(1, rank)).result()
+        if rank == 1:
+            mgr._faults.writer_gate = gate  # rank 1's writer writes nothing before its trainer is gone
+        handle = mgr.save(2, _state(2, rank))
+        mine = os.path.join(out_dir, f"rank{rank}.json")
+        with open(mine + ".tmp", "w") as f:
+            json.dump({"writer": mgr.writer_pid, "trainer": os.getpid()}, f)
+        os.rename(mine + ".tmp", mine)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        other = os.path.join(out_dir, "rank1.json")
+        _wait("trainer 1 to be gone", lambda: os.path.exists(other) and _gone(json.load(open(other))["trainer"]))
+        open(gate, "w").close()
+        stats = handle.result(timeout=BOUND_S)  # rank 1's part comes from its orphan writer
+        with open(os.path.join(out_dir, "outcome.json"), "w") as f:
+            json.dump({"committed": stats.committed, "latest": mgr.latest_step()}, f)
+
+
+def test_a_trainer_killed_alone_its_orphan_reports_and_rank_0_commits(tmp_path):
+    root, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _one_trainer_dies, root, out, str(tmp_path / "gate"), timeout=2 * BOUND_S, grace=BOUND_S)
+    assert json.load(open(os.path.join(out, "outcome.json"))) == {"committed": True, "latest": 2}
+    pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    assert _load_latest(root) == (2, [1, 2])
 
 
 def _resume(rank, world, root, out_dir):
