@@ -18,13 +18,15 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
 import torch
 
 import nostall
-from nostall.memory.rendezvous import MemoryTierError, base_dir, connect, job_key, socket_name
+from nostall.memory.rendezvous import (MemoryTierError, NoHello, base_dir, connect, ensure_holder, job_key,
+                                       socket_name)
 from nostall.options import MemoryTier, Options
 from tests.dist_harness import run_ranks
 
@@ -68,8 +70,9 @@ def _restore(rank, world, root, shm):
         exact = torch.equal(t["w"].data, _state(step, rank)["w"].data) and torch.equal(t["b"], _state(step, 0)["b"])
         r = mgr.last_restore
         holder = mgr._tiers._link.pid
-        return {"step": step, "freshest": freshest, "exact": exact, "tier": r.tier, "persistent_bytes_read": r.persistent_bytes_read,
-                "fell_back": r.fell_back, "holder": holder, "memory_root": mgr._tiers.root.url}
+        return {"step": step, "freshest": freshest, "exact": exact, "tier": r.tier,
+                "persistent_bytes_read": r.persistent_bytes_read, "fell_back": r.fell_back, "holder": holder,
+                "memory_root": mgr._tiers.root.url}
 
 
 def _gone(pid: int) -> bool:
@@ -199,11 +202,29 @@ def test_a_socket_that_is_not_the_jobs_holder_is_refused(tmp_path):
     fake.bind(socket_name(key))
     fake.listen(1)
     try:
-        with pytest.raises(MemoryTierError, match="does not hold the mark"):
+        with pytest.raises(MemoryTierError, match="sent no hello"):
             connect(base, key, 2.0)
     finally:
         fake.close()
     assert connect(base, key, 2.0) is None  # nobody listens
+
+
+def test_a_listener_without_hello_is_looked_at_again_until_it_goes_then_a_holder_is_started(tmp_path):
+    base = base_dir(str(tmp_path))
+    key = job_key(str(tmp_path / "run"), "")
+    fake = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fake.bind(socket_name(key))
+    fake.listen(8)
+    with pytest.raises(NoHello):  # it never says hello: refused once the deadline passed
+        ensure_holder(base, key, 5.0, 3.0)
+    threading.Timer(1.0, fake.close).start()  # as a holder that is stopping: its listener is the last to go
+    link, proc = ensure_holder(base, key, 5.0, 60.0)
+    assert proc is not None and link.pid == proc.pid
+    assert link.ask({"op": "attach", "rank": 0}, 10.0)["ok"]
+    link.ask({"op": "release"}, 10.0)
+    link.close()
+    proc.wait(30)
+    assert os.listdir(base) == []
 
 
 def test_settings_are_checked():

@@ -46,6 +46,11 @@ class MemoryTierError(CheckpointError):
     """The memory tier cannot be used (its directory, its holder, or the job's layout); the message says the fix."""
 
 
+class NoHello(MemoryTierError):
+    """A listener on the job's socket accepted but said nothing in time: not a holder, or one that is stopping
+    (its listener is the last thing it closes). :func:`ensure_holder` looks again until its deadline."""
+
+
 def nostall_version() -> str:
     from nostall import __version__
 
@@ -168,9 +173,10 @@ class HolderLink:
             pass
 
 
-def connect(base: str, key: str, timeout: float) -> Optional[HolderLink]:
+def connect(base: str, key: str, timeout: float, hello_s: float = 2.0) -> Optional[HolderLink]:
     """A verified link to the job's holder, or None when none listens. Refuses (:class:`MemoryTierError`) a
-    listener that cannot prove it is this job's holder made by nostall for this user, or runs other code."""
+    listener that cannot prove it is this job's holder made by nostall for this user, or runs other code;
+    :class:`NoHello` when it sends no hello within ``hello_s`` (a holder sends it as it accepts)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.settimeout(timeout)
@@ -181,15 +187,19 @@ def connect(base: str, key: str, timeout: float) -> Optional[HolderLink]:
             return None
         pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                           struct.calcsize("3i")))
+        if uid != os.getuid():
+            raise MemoryTierError(f"the memory tier's holder for {base}/{key} is refused: it runs as uid {uid}, "
+                                  f"not {os.getuid()}")
         try:
-            hello = recv(sock, bytearray(), time.monotonic() + timeout)
-        except (OSError, ValueError):  # no hello in time, or not ours: refused below
+            hello = recv(sock, bytearray(), time.monotonic() + min(timeout, hello_s))
+        except (OSError, ValueError):
             hello = None
+        if hello is None:
+            raise NoHello(f"pid {pid} listens on the memory tier's socket for {base}/{key} but sent no hello within "
+                          f"{min(timeout, hello_s):.0f}s: not the job's holder, or one that is stopping")
         mark = read_mark(base, key)
         problem = ""
-        if uid != os.getuid():
-            problem = f"it runs as uid {uid}, not {os.getuid()}"
-        elif hello is None or mark is None or mark["pid"] != pid or hello.get("token") != mark["token"]:
+        if mark is None or mark["pid"] != pid or hello.get("token") != mark["token"]:
             problem = f"pid {pid} does not hold the mark {mark_path(base, key)} (a socket nostall did not make)"
         elif hello.get("protocol") != PROTOCOL or hello.get("version") != nostall_version():
             problem = (f"it runs other code (nostall {hello.get('version')}, protocol {hello.get('protocol')}; "
@@ -206,16 +216,27 @@ def connect(base: str, key: str, timeout: float) -> Optional[HolderLink]:
 _HOLDER_MAIN = "import sys\nfrom nostall.memory.holder import main\nsys.exit(main(sys.argv[1:]))\n"
 
 
+def _connect_until(base: str, key: str, deadline: float) -> Optional[HolderLink]:
+    """:func:`connect`, looking again while the listener says no hello (a holder stopping), until ``deadline``."""
+    while True:
+        try:
+            return connect(base, key, max(0.1, deadline - time.monotonic()))
+        except NoHello:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def ensure_holder(base: str, key: str, idle_s: float, timeout: float) -> Tuple[HolderLink, Optional[subprocess.Popen]]:
     """A link to the job's holder on this host, started here when none runs (under the host's ``flock``, so
     that one rank starts it). Returns the link and, when this process started the holder, its ``Popen``."""
-    link = connect(base, key, timeout)
+    deadline = time.monotonic() + timeout
+    link = _connect_until(base, key, deadline)
     if link is not None:
         return link, None
     lock = os.path.join(base, f"{key}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        deadline = time.monotonic() + timeout
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,7 +246,7 @@ def ensure_holder(base: str, key: str, idle_s: float, timeout: float) -> Tuple[H
                     raise MemoryTierError(f"{lock} stayed locked for {timeout:.0f}s (another rank starting the "
                                           "holder)") from None
                 time.sleep(0.01)
-        link = connect(base, key, timeout)
+        link = _connect_until(base, key, deadline)
         if link is not None:
             return link, None
         env = dict(os.environ)
@@ -244,12 +265,12 @@ def ensure_holder(base: str, key: str, idle_s: float, timeout: float) -> Tuple[H
             os.close(logfd)
         log.debug("memory tier: holder %d started for %s/%s", proc.pid, base, key)
         while True:
-            link = connect(base, key, timeout)
+            link = _connect_until(base, key, deadline)
             if link is not None:
                 return link, proc
             code = proc.poll()
             if code is not None:
-                link = connect(base, key, timeout)  # (status 0: another holder bound the socket first)
+                link = _connect_until(base, key, deadline)  # (status 0: another holder bound the socket first)
                 if link is not None:
                     return link, None
                 raise MemoryTierError(f"the memory tier's holder for {base}/{key} exited at start (status {code}; "
