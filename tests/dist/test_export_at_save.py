@@ -217,3 +217,24 @@ def test_shard_groups_cut_near_equal_shares_only_when_asked():
     assert sizes(shard_groups(items, 1000, min_files=3)) == [30, 50, 10]  # a cut where a middle passes 30, 60
     assert sizes(shard_groups(items[:1], 1000, min_files=4)) == [10]
     assert shard_groups([], 1000, min_files=2) == []
+
+
+def _back_to_back(rank, world, root, hf):
+    model = _model()
+    with nostall.CheckpointManager(root, async_save=True, timeout=60, keep_last=1,
+                                   export=HFExport(os.path.join(hf, "step_{step}"))) as mgr:
+        for step in (1, 2, 3):  # no wait in between: each save waits for the previous export first
+            mgr.save(step, _sharded(model, rank, world), files=_files(model))
+        mgr.save(4, _sharded(model, rank, world), export=False)
+    return mgr.steps()
+
+
+def test_back_to_back_saves_each_export_and_close_finishes_the_last(pool2, tmp_path):
+    """keep_last=1 deletes each checkpoint once the next commits: an export never reads a checkpoint that
+    retention is deleting, because the next save waits for it."""
+    root, hf = str(tmp_path / "run"), str(tmp_path / "hf")
+    assert pool2.run(_back_to_back, root, hf) == [[4], [4]]
+    assert sorted(os.listdir(hf)) == ["step_1", "step_2", "step_3"]
+    for step in (1, 2, 3):
+        again = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(hf, f"step_{step}")).eval()
+        assert torch.equal(_logits(again), _logits(_model()))
