@@ -693,7 +693,7 @@ class CheckpointManager:
 
     def export_result(self, timeout: Optional[float] = None) -> ExportOutcome:
         """The outcome of the latest export at save time on this rank, once it finished (a wait bounded by
-        ``timeout``, default the manager's; past it the export is cancelled). Raises its
+        ``timeout``, default the manager's; past it :class:`~nostall.CheckpointError`, the export going on). Raises its
         :class:`~nostall.core.exports.CheckpointExportError` when it failed (rank 0's outcome is the
         export's; another rank's is its own part's), and :class:`~nostall.CheckpointError` when no export ran.
         Settles a pending save first (its failure is still raised by the next call, as always)."""
@@ -702,8 +702,12 @@ class CheckpointManager:
             self._check_open()
             if self._pending is not None:
                 self._settle(wait)
-            self._exports.wait(wait)
+            self._exports.wait(wait, cancel=False)
+            running = self._exports.pending()
             outcome = self._exports.last
+        if running:
+            raise CheckpointError(f"rank {self.rank}: the export at save time still runs after {wait:.0f}s (it goes "
+                                  "on; the next save waits for it)")
         if outcome is None:
             raise CheckpointError(f"rank {self.rank}: no export at save time ran on this manager (Options.export, "
                                   "save(..., export=))")
@@ -871,7 +875,9 @@ class CheckpointManager:
             if due is not None and self._pending is not None:
                 due.append(self._pending[1])
             self._settle(timeout)
-            self._exports.wait(self.options.timeout if timeout is None else timeout)  # logged if it failed
+            # the export of the save just settled (logged if it failed): cancelled past the full bound, left
+            # running past a caller's shorter one (finalize_pending_saves(timeout)); the next save waits again
+            self._exports.wait(self.options.timeout if timeout is None else timeout, cancel=timeout is None)
             if flush and self._writer is not None:
                 self._writer.flush(self.options.timeout if timeout is None else timeout)
             if self._unraised is not None:

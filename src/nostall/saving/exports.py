@@ -121,14 +121,16 @@ class ExportRuns:
         """An export started and not waited for yet."""
         return self._run is not None
 
-    def wait(self, timeout: float) -> Optional[ExportOutcome]:
+    def wait(self, timeout: float, cancel: bool = True) -> Optional[ExportOutcome]:
         """Wait (bounded by ``timeout``) for the export in flight, if any, and return its outcome. One still
         running then is cancelled (it stops at its next region and removes what it wrote) and reported as
-        failed."""
+        failed; or, without ``cancel``, left running (None returned, :meth:`pending` stays True)."""
         run = self._run
         if run is None:
             return None
         if not run.done.wait(max(0.0, timeout)):
+            if not cancel:
+                return None
             run.job.cancel.set()
             run.settled.set()  # a run still waiting for its commit stops too
             run.done.wait(min(CANCEL_GRACE_S, max(1.0, timeout)))
