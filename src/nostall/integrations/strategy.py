@@ -38,6 +38,7 @@ import torch.distributed as dist
 from nostall.errors import CheckpointError
 from nostall.handles import SaveHandle
 from nostall.manager import CheckpointManager
+from nostall.core.exports import ExportTarget
 from nostall.options import NOT_GIVEN, MemoryTier, NotGiven, Options, options_from
 from nostall.storage.locate import open_root, resolve
 from nostall.training import LoadedCheckpoint, ParallelLayout, Training, load_training, mark_tensor_parallel
@@ -90,7 +91,7 @@ class Strategy:
             the strategy opens.
         keep_last, async_save, timeout, errors, block_size, storage_options,
         local_staging_dir, fallback_sync, overlap, staging_budget_bytes,
-        check_replicas, max_write_rate, incremental, full_every, shared_loads, read_once,
+        check_replicas, max_write_rate, export, incremental, full_every, shared_loads, read_once,
         preemption_signal, grace_s, exit_on_preemption, memory_tier: the
             settings, described (with their defaults, which live only there)
             in :class:`~nostall.Options`; each may be passed as a keyword
@@ -130,6 +131,7 @@ class Strategy:
         staging_budget_bytes: Union[Optional[int], NotGiven] = NOT_GIVEN,
         check_replicas: Union[Optional[bool], NotGiven] = NOT_GIVEN,
         max_write_rate: Union[Optional[float], NotGiven] = NOT_GIVEN,
+        export: Union[Optional[ExportTarget], NotGiven] = NOT_GIVEN,
         incremental: Union[bool, NotGiven] = NOT_GIVEN,
         full_every: Union[Optional[int], NotGiven] = NOT_GIVEN,
         shared_loads: Union[bool, NotGiven] = NOT_GIVEN,
@@ -145,7 +147,7 @@ class Strategy:
             keep_last=keep_last, async_save=async_save, timeout=timeout, errors=errors, block_size=block_size,
             storage_options=storage_options, local_staging_dir=local_staging_dir, fallback_sync=fallback_sync,
             overlap=overlap, staging_budget_bytes=staging_budget_bytes, check_replicas=check_replicas,
-            max_write_rate=max_write_rate, incremental=incremental, full_every=full_every,
+            max_write_rate=max_write_rate, export=export, incremental=incremental, full_every=full_every,
             shared_loads=shared_loads, read_once=read_once, preemption_signal=preemption_signal, grace_s=grace_s,
             exit_on_preemption=exit_on_preemption, memory_tier=memory_tier,
         ), "Strategy()")
