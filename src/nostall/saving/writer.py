@@ -444,8 +444,8 @@ class _Server(Feeding):
         return job.dest.root.orphans_may_finish and (job.rank != 0 or self.lock_fd is not None)
 
     def receiving(self, on: bool) -> None:
-        with self._state:
-            self._receiving = on
+        with self._state:  # (the end of the stream is no message: a recv that will only meet it counts as none)
+            self._receiving = on and self._unread()
 
     def whole(self) -> None:
         with self._state:
