@@ -238,3 +238,33 @@ def test_back_to_back_saves_each_export_and_close_finishes_the_last(pool2, tmp_p
     for step in (1, 2, 3):
         again = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(hf, f"step_{step}")).eval()
         assert torch.equal(_logits(again), _logits(_model()))
+
+
+def _rank1_dies_mid_export(rank, world, root, hf, report):
+    model = _model()
+    with nostall.CheckpointManager(root, async_save=True, timeout=8,
+                                   export=HFExport(os.path.join(hf, "step_{step}"))) as mgr:
+        if rank == 1:  # killed once its files are written, before it says so
+            os.environ["NOSTALL_TEST_CRASH"] = "trainer:export.written:7"
+        mgr.save(7, _sharded(model, rank, world), files=_files(model))
+        try:
+            mgr.export_result(timeout=60)
+            error = None
+        except CheckpointExportError as e:
+            error = str(e)
+        with open(report, "w") as f:
+            json.dump({"error": error, "listing": sorted(os.listdir(hf))}, f)
+    return rank
+
+
+def test_a_rank_that_dies_mid_export_fails_it_within_the_timeout_and_leaves_nothing(tmp_path):
+    root, hf, report = str(tmp_path / "run"), str(tmp_path / "hf"), str(tmp_path / "report.json")
+    with pytest.raises(AssertionError):
+        run_ranks(2, _rank1_dies_mid_export, root, hf, report, timeout=240, grace=90)
+    got = json.load(open(report))
+    assert got["error"] is not None and "rank(s) [1] did not come within 8s" in got["error"], got
+    assert got["listing"] == [] and os.listdir(hf) == []  # rank 1's finished files went with the staging directory
+    model = _model()
+    whole = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    nostall.load(whole, root, strict=False)
+    assert all(torch.equal(whole["model"][k], v) for k, v in model.state_dict().items())
