@@ -27,7 +27,6 @@ from nostall.core.faults import crash_point
 from nostall.interop._common import Progress, Source
 from nostall.interop.export import (
     DEFAULT_MAX_SHARD_SIZE,
-    DEFAULT_MEMORY_LIMIT,
     CreatedFiles,
     Item,
     Streamer,
@@ -54,6 +53,7 @@ STAGE_TAG = ".nostall-export."
 MARKER_NAME = ".nostall-export.json"
 """The record of a published export (source checkpoint, step, files), inside it."""
 POLL_S = 0.02
+AT_SAVE_MEMORY_LIMIT = 256 << 20
 
 
 def assign_files(sizes: Sequence[int], world_size: int) -> List[int]:
@@ -124,7 +124,8 @@ class HFExport(ExportTarget):
         separator: joins the remaining key components (``/`` -> ``.``).
         dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"``); None: as saved.
         max_shard_size: largest file, in bytes (a bigger tensor gets a file of its own).
-        memory_limit: bytes of buffers each rank's part may hold at once.
+        memory_limit: bytes of buffers each rank's part may hold at once, in the trainer process (default
+            256 MiB, a quarter of the offline export's: every rank of a host holds its own beside training).
     """
 
     dst: str
@@ -133,7 +134,7 @@ class HFExport(ExportTarget):
     separator: str = "."
     dtype: Optional[str] = None
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE
-    memory_limit: int = DEFAULT_MEMORY_LIMIT
+    memory_limit: int = AT_SAVE_MEMORY_LIMIT
 
     def __post_init__(self) -> None:
         dst = os.fspath(self.dst)
