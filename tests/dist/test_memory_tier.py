@@ -310,3 +310,43 @@ def test_ranks_on_several_hosts_are_refused_on_every_rank_naming_the_fix(tmp_pat
     while os.listdir(base) and time.monotonic() < deadline:  # released: the holder deletes its files and exits
         time.sleep(0.1)
     assert os.listdir(base) == []
+
+
+def _save_until_killed(rank, world, root, shm, out):
+    mgr = nostall.CheckpointManager(root, async_save=True, timeout=20, memory_tier=_tier(shm))
+    try:
+        for step in range(1, 9):
+            with open(os.path.join(out, f"rank{rank}.json"), "w") as f:  # the writer of this save (a new one
+                json.dump({"writer": mgr.writer_pid, "memory_root": mgr._tiers.root.url}, f)  # after a death)
+            mgr.save(step, _state(step, rank))
+            mgr.finalize_pending_saves()
+    except nostall.CheckpointError:
+        pass  # a writer killed at a crash point: the job dies here
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _committed(d: str):
+    return {int(n[len("step_"):]) for n in os.listdir(d) if n.startswith("step_")
+            and os.path.isfile(os.path.join(d, n, "manifest.json"))} if os.path.isdir(d) else set()
+
+
+@pytest.mark.parametrize("crash", ["trainer:staged:6", "trainer:planned:8", "writer:commit.manifest:6",
+                                   "writer:commit.renamed:7"])
+def test_a_crash_at_a_phase_of_a_save_restores_the_newest_committed_step_of_either_tier(tmp_path, crash):
+    root, shm, out = str(tmp_path / "run"), str(tmp_path / "shm"), str(tmp_path / "out")
+    os.makedirs(shm)
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _save_until_killed, root, shm, out, timeout=180, grace=30, env={"NOSTALL_TEST_CRASH": crash})
+    ranks = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    mroot = ranks[0]["memory_root"]
+    assert all(_wait_gone(r["writer"], 90.0) for r in ranks)  # an orphan writer finishes its job (bounded) first
+    newest = max(_committed(mroot) | _committed(root))
+    # nothing committed before the crashed save is lost (a writer's death is recovered by its trainer: the save
+    # of its step commits or fails, and the job may go on to step 8)
+    assert newest >= int(crash.rsplit(":", 1)[1]) - 1, (crash, newest)
+    got = run_ranks(2, _restore, root, shm, timeout=180)
+    for g in got:
+        assert (g["step"], g["exact"]) == (newest, True), (crash, g)
+        assert g["tier"] == ("memory" if newest % _PERSIST else "persistent"), (crash, g)
+    assert _wait_gone(got[0]["holder"])
