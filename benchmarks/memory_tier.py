@@ -14,8 +14,10 @@ the newest memory step (the freshest tier; the first load of the process, as a r
 pays it); then three rounds of the same restore again, a memcpy of the rank's bytes into the same
 tensors, and ``load(step=<newest persistent>)`` of the persistent checkpoint of the same size
 (from the page cache, most likely: a cold read from a disk or a shared filesystem is slower), the
-best of each taken. Every load verifies every checksum. Prints one JSON object: medians, bests
-and ratios (stall / copy, restore / memcpy, disk load / memcpy).
+best of each taken, and DCP's load of the same state saved once by ``dcp.save`` in phase 1 (what a
+DCP job restarts from: its checkpoint on disk, from the page cache here; DCP has no memory tier).
+Every nostall load verifies every checksum (DCP's has none to verify). Prints one JSON object:
+medians, bests and ratios (stall / copy, restore / memcpy, disk load / memcpy, restore / DCP load).
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ def _save(root: str, mb: int, saves: int, out: str, memory_dir: str) -> None:
     tier = MemoryTier(persist_every=1000, memory_dir=memory_dir or None)
     mgr = nostall.CheckpointManager(root, async_save=True, timeout=120, memory_tier=tier)
     stalls, copies, stages, disk_stalls = [], [], [], []
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=os.path.join(os.path.dirname(root), "dcp"))  # what a DCP job restarts from
     for i in range(1, saves + 1):
         for step in (1000 * i, 1000 * i + 1):  # persistent (an async disk save), then memory
             for v in state.values():
@@ -93,8 +98,10 @@ def _restore(root: str, mb: int, out: str, memory_dir: str) -> None:
     restore = time.perf_counter() - t
     r = mgr.last_restore
     persistent = mgr.latest_step()  # the newest persistent step, of the same size
-    memcpys, warm, disks = [], [], []
-    for _ in range(3):  # then, alternating: the memory restore again, a memcpy, the persistent load
+    import torch.distributed.checkpoint as dcp
+
+    memcpys, warm, disks, dcps = [], [], [], []
+    for _ in range(3):  # then, alternating: the memory restore again, a memcpy, the persistent load, DCP's load
         t = time.perf_counter()
         mgr.load(template)
         warm.append(time.perf_counter() - t)
@@ -106,10 +113,14 @@ def _restore(root: str, mb: int, out: str, memory_dir: str) -> None:
         t = time.perf_counter()
         mgr.load(template, step=persistent)
         disks.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        dcp.load(template, checkpoint_id=os.path.join(os.path.dirname(root), "dcp"))
+        dcps.append(time.perf_counter() - t)
     mgr.close()
     with open(out, "w") as f:
         json.dump({"startup_s": startup, "restore_s": restore, "tier": r.tier, "step": r.step,
                    "persistent_bytes_read": r.persistent_bytes_read, "memcpys": memcpys, "disk_loads": disks,
+                   "dcp_loads": dcps,
                    "warm_restores": warm,
                    "restored_first": float(next(iter(got.values()))[0])}, f)
 
@@ -139,6 +150,7 @@ def main() -> None:
     stall, copy = statistics.median(s["stalls"]), statistics.median(s["copies"])
     stage, disk_stall = statistics.median(s["stages"]), statistics.median(s["disk_stalls"])
     memcpy, disk, warm = min(r["memcpys"]), min(r["disk_loads"]), min(r["warm_restores"])
+    dcp_load = min(r["dcp_loads"])
     print(json.dumps({
         "mb": a.mb, "saves": a.saves, "memory_dir": a.memory_dir or "/dev/shm",
         "memory_save_stall_s": stall, "plain_copy_s": copy, "stall_over_copy": stall / copy,
@@ -148,8 +160,10 @@ def main() -> None:
         "process_startup_s": r["startup_s"], "restore_from_memory_s": r["restore_s"], "memcpy_s": memcpy,
         "restore_over_memcpy": r["restore_s"] / memcpy, "restore_again_s": warm, "again_over_memcpy": warm / memcpy,
         "load_from_disk_s": disk, "disk_over_memcpy": disk / memcpy,
+        "dcp_load_s": dcp_load, "restore_over_dcp_load": r["restore_s"] / dcp_load,
+        "again_over_dcp_load": warm / dcp_load,
         "stalls_s": s["stalls"], "copies_s": s["copies"], "memcpys_s": r["memcpys"], "disk_loads_s": r["disk_loads"],
-        "restores_again_s": r["warm_restores"],
+        "restores_again_s": r["warm_restores"], "dcp_loads_s": r["dcp_loads"],
     }, indent=1))
 
 
