@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from nostall.handles import SaveHandle, SaveStats
     from nostall.manager import CheckpointManager
     from nostall.core.model import PerRank, ShardedTensor
-    from nostall.options import Options
+    from nostall.options import MemoryTier, Options
     from nostall.training import LoadedCheckpoint, ParallelLayout
 
 __version__ = "0.1.0"
@@ -51,6 +51,7 @@ _LAZY = {
     "load": "api",
     "copy_checkpoint": "interop.copy",
     "Options": "options",
+    "MemoryTier": "options",
     "ParallelLayout": "training",
     "LoadedCheckpoint": "training",
 }
@@ -65,6 +66,7 @@ __all__ = [
     "load",
     "copy_checkpoint",
     "Options",
+    "MemoryTier",
     "ParallelLayout",
     "LoadedCheckpoint",
     "CheckpointError",

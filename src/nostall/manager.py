@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -277,6 +278,7 @@ class CheckpointManager:
         self._preemption_noted = False  # the preemption was logged
         self._tiers: Optional[Tiers] = None  # the memory tier (Options.memory_tier), while the manager lives
         self.last_restore: Optional[Restored] = None  # memory tier: how the last load() went (which tier, bytes)
+        self._clean_exit = True  # close() releases the memory tier (False: an exception ends the trainer)
 
     def _start(self, process_group: Any) -> None:
         """__init__, phase 2 (collective): the metadata group, the saver, the root's claim, the writer;
@@ -291,7 +293,7 @@ class CheckpointManager:
                 self._writer = BackgroundWriter(self._comm.rank, self.options.timeout, self._root)
         except BaseException:
             if self._tiers is not None:
-                self._tiers.close()
+                self._tiers.close(release=False)  # a failed start keeps the snapshots it came to restore
             if self._claim is not None:
                 self._claim.release()
             self._comm.close()
@@ -631,8 +633,8 @@ class CheckpointManager:
             with self._lock:
                 handle = self._save_locked(step, state, training, optimizer, path, files, use_async, overlap,
                                            stage_now, t_call)
-                if target is not None:
-                    self._start_export(target, handle, use_async)
+                if target is not None and not (self._tiers is not None and self._tiers.holds(handle.path)):
+                    self._start_export(target, handle, use_async)  # (not for a memory save: not durable)
             if not use_async:
                 handle._run_callbacks()  # on_commit of a synchronous save: here, outside the lock
         return handle
@@ -959,7 +961,10 @@ class CheckpointManager:
                     self.latest_step, load_from, lambda: load_from(None),
                     lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None, self.path_for)
                 return result
-            return self._load_locked(training, state, path, step, strict, verify, per_rank)
+            result = self._load_locked(training, state, path, step, strict, verify, per_rank)
+            if self._tiers is not None and path is None and step is not None:
+                self._tiers.drop_newer(step)  # memory snapshots newer than it belong to a timeline left behind
+            return result
 
     def _load_locked(self, training: Optional[Training], state: Any, path: Any, step: Optional[int], strict: bool,
                      verify: bool, per_rank: str) -> Any:
@@ -1109,7 +1114,9 @@ class CheckpointManager:
             # killed at once instead (a crash at any point is safe), so close() stays within its bound.
             self._writer.close(timeout=1.0 if self._writer.job is not None else 10.0)
         if self._tiers is not None:
-            self._tiers.close()  # after the writer: it may have been writing into the memory root
+            # After the writer: it may have been writing into the memory root. Released only on a clean close: a
+            # trainer ending with an exception keeps its snapshots for a restart (the holder's idle bound).
+            self._tiers.close(release=self._clean_exit)
         if self._claim is not None:
             self._claim.release()
         self._comm.close()
@@ -1131,6 +1138,8 @@ class CheckpointManager:
                 pass
 
     def _close_at_exit(self) -> None:
+        if getattr(sys, "last_value", None) is not None:  # the program ends with an uncaught exception
+            self._clean_exit = False
         try:
             self.close()
         except Exception as e:
@@ -1156,6 +1165,8 @@ class CheckpointManager:
             except CheckpointError as e:
                 log.error("rank %d: preempted: %s", self.rank, e)
             return
+        if exc_type is not None and not (exc_type is SystemExit and getattr(exc, "code", 1) in (0, None)):
+            self._clean_exit = False  # an exception unwinds through the manager: the memory tier is kept
         self.close()
 
     def __repr__(self) -> str:

@@ -233,7 +233,7 @@ class Options:
     def _check_memory_tier(self) -> None:
         if self.memory_tier is not None:
             if not isinstance(self.memory_tier, MemoryTier):
-                raise ValueError(f"memory_tier must be None or a nostall.options.MemoryTier, got {self.memory_tier!r}")
+                raise ValueError(f"memory_tier must be None or a nostall.MemoryTier, got {self.memory_tier!r}")
             if self.incremental:
                 raise ValueError("memory_tier and incremental cannot be combined: an incremental save would reuse "
                                  "pieces across the two roots; drop one of them")

@@ -16,7 +16,7 @@ SRC = ROOT / "src" / "nostall"
 LAYERS = {
     "nostall.errors": 0, "nostall.options": 0, "nostall.core": 0,
     "nostall.storage": 1, "nostall.planning": 2,
-    "nostall.saving": 3, "nostall.loading": 3, "nostall.handles": 3,
+    "nostall.saving": 3, "nostall.loading": 3, "nostall.handles": 3, "nostall.memory": 3,
     "nostall.training": 4, "nostall.api": 4, "nostall.manager": 4, "nostall": 4,
     "nostall.dcp": 5, "nostall.interop": 5, "nostall.integrations": 5,
     "nostall.tools": 6, "nostall.__main__": 6,
@@ -50,7 +50,8 @@ def _imports() -> List[Tuple[str, str, List[str], bool]]:
 
 def test_every_module_the_map_names_exists():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    named = set(re.findall(r"`((?:core|storage|planning|saving|loading|interop|integrations|tools)\.[a-z_]+)", text))
+    rooms = "core|storage|planning|saving|loading|memory|interop|integrations|tools"
+    named = set(re.findall(rf"`((?:{rooms})\.[a-z_]+)", text))
     assert named, "the map names no module"
     modules = _modules()
     missing = sorted(n for n in named if f"nostall.{n}" not in modules)

@@ -4,11 +4,16 @@ Started by :func:`nostall.memory.rendezvous.ensure_holder` (a fresh
 interpreter, in a session of its own), it makes its mark and the memory root,
 listens on the job's abstract socket, and serves the trainers' managers:
 
-- on connect: a hello (protocol, nostall version, pid, the mark's token);
-- ``{"op": "attach", "rank": r}``: a manager of rank ``r`` lives (the
-  connection stays open for its lifetime);
-- ``{"op": "release"}``: that manager closed (``close()``): the job is done with
-  the memory tier on this rank;
+- on connect: a hello (protocol, nostall version, pid, the mark's token), to a
+  peer of this user only (``SO_PEERCRED``; anyone else's connection is closed
+  at once: an abstract socket has no permissions);
+- ``{"op": "attach", "rank": r, "token": t}``: a manager of rank ``r`` lives
+  (the connection stays open for its lifetime); ``t`` is the token of the
+  mark (0600: only this user reads it), without which attach and release are
+  refused (the connection closed);
+- ``{"op": "release", "token": t}``: that manager closed cleanly (``close()``
+  with no exception in flight): the job is done with the memory tier on this
+  rank;
 - ``{"op": "status"}``: the holder's pid, attached ranks, root.
 
 It deletes the memory root and its mark and exits when every attached
@@ -17,12 +22,23 @@ manager released it and none is attached; when none was attached for
 start); or on SIGTERM, SIGINT or SIGHUP. It never follows a symbolic link and
 deletes only the root its mark proves it (or a predecessor) made. The
 snapshots are tmpfs files: they outlive the trainers (and this process, if it
-is SIGKILLed: the next holder adopts the root its predecessor's mark names).
-This module does not import torch.
+is SIGKILLed, or fails of an internal error: the next holder adopts the root
+its predecessor's mark names).
+
+Shutdown order: the listener is closed first (a trainer reattaching now finds
+no holder and starts a new one), then the root is deleted (retried, bounded,
+while something still writes into it: an orphan writer finishing a memory
+save), and the mark is removed only once the root is gone; if the root could
+not be deleted the mark stays and the next holder adopts it. The holder holds
+an ``flock`` on its mark from its start to its exit, and a successor waits
+(bounded) for it before it looks at the mark and the root, so no successor
+adopts a root its predecessor is still deleting. This module does not import
+torch.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -32,17 +48,23 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import sys
 import time
 from typing import Dict, List, Optional
 
+from nostall.storage.root import lkind
 from nostall.memory.rendezvous import PROTOCOL, log_path, mark_path, nostall_version, read_mark, send, socket_name
 
 log = logging.getLogger("nostall")
 
 _TICK_S = 0.2
+_REPLY_S = 1.0  # a client that does not read its reply is dropped after this (the holder serves everyone)
+_DELETE_TRIES_S = 5.0  # how long the holder retries deleting a root something still writes into
+_PREDECESSOR_S = 60.0  # how long a new holder waits for its predecessor to finish deleting
 EXIT_RUNNING = 0  # another holder listens already: nothing to do
 EXIT_REFUSED = 3  # the memory root is not ours
+EXIT_ERROR = 4  # an internal error: the root and the mark are left to the next holder
 
 
 class Holder:
@@ -59,31 +81,35 @@ class Holder:
         self.released = 0
         self.crashed = False  # a manager left without releasing since the last attach
         self.idle_since: Optional[float] = time.monotonic()  # nobody attached since then
-        self.stop: Optional[str] = None
+        self.stop: Optional[str] = None  # why it stops (release, idle, a signal): then it deletes the root
+        self.mark_fd: Optional[int] = None
 
     # ------------------------------------------------------------------ start
     def start(self) -> int:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(socket_name(self.key))
-        except OSError:  # EADDRINUSE: a holder runs already
+        except OSError:  # EADDRINUSE: a holder runs already (the abstract socket is the real mutex)
             sock.close()
             return EXIT_RUNNING
         self.listener = sock
-        predecessor = read_mark(self.base, self.key) is not None
         path = mark_path(self.base, self.key)
+        if not self._outlive_predecessor(path):
+            return EXIT_REFUSED
+        predecessor = read_mark(self.base, self.key) is not None
         if predecessor or os.path.lexists(path):
             if os.path.lexists(path) and not predecessor:
                 log.error("memory tier: %s is not a holder's mark of this user: remove it", path)
                 return EXIT_REFUSED
-            os.unlink(path)  # the mark of a holder that died (SIGKILL): its socket is gone, ours is bound
-        mode = _lkind(self.root)
+            os.unlink(path)  # the mark of a holder that is gone (SIGKILL, an error, a root it could not delete)
+        mode = lkind(self.root)
         if mode is not None and (not predecessor or not stat.S_ISDIR(mode)):
             log.error("memory tier: %s exists and no holder's mark proves nostall made it: remove it", self.root)
             return EXIT_REFUSED
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "token": self.token}, f)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # (new: nobody else has it) held until this process exits
+        os.write(fd, json.dumps({"pid": os.getpid(), "token": self.token}).encode())
+        self.mark_fd = fd
         if mode is None:
             os.mkdir(self.root, 0o700)
         else:
@@ -92,6 +118,28 @@ class Holder:
         sock.setblocking(False)
         self.sel.register(sock, selectors.EVENT_READ)
         return -1
+
+    def _outlive_predecessor(self, path: str) -> bool:
+        """Wait (bounded) until no process holds the flock of the mark at ``path``: a predecessor that closed its
+        listener and still deletes its root. False (logged) when it still does after the bound."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            return True  # no mark: nobody to wait for
+        try:
+            deadline = time.monotonic() + _PREDECESSOR_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    return True
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        log.error("memory tier: the holder that made %s still runs after %.0fs (deleting its "
+                                  "root?): kill it, then restart the job", path, _PREDECESSOR_S)
+                        return False
+                    time.sleep(0.05)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ serve
     def serve(self) -> None:
@@ -107,10 +155,19 @@ class Holder:
         assert self.listener is not None
         try:
             conn, _ = self.listener.accept()
-        except BlockingIOError:
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                            struct.calcsize("3i")))
+        except OSError:
+            uid = -1
+        if uid != os.getuid():  # an abstract socket has no permissions: another user's process is turned away
+            log.warning("memory tier: a connection from uid %d (not this user's) refused", uid)
+            conn.close()
             return
         conn.setblocking(True)
-        conn.settimeout(5.0)
+        conn.settimeout(_REPLY_S)
         try:
             send(conn, {"protocol": PROTOCOL, "version": nostall_version(), "pid": os.getpid(), "token": self.token})
         except OSError:
@@ -146,7 +203,7 @@ class Holder:
 
     def _reply(self, conn: socket.socket, msg: Dict[str, object]) -> None:
         conn.setblocking(True)
-        conn.settimeout(5.0)
+        conn.settimeout(_REPLY_S)
         try:
             send(conn, msg)
         finally:
@@ -154,6 +211,8 @@ class Holder:
 
     def _handle(self, conn: socket.socket, msg: Dict[str, object]) -> None:
         op = msg.get("op")
+        if op in ("attach", "release") and msg.get("token") != self.token:
+            raise ValueError(f"{op} without the mark's token")  # the connection is dropped
         if op == "attach":
             rank = msg.get("rank")
             if not isinstance(rank, int):
@@ -204,30 +263,46 @@ class Holder:
 
     # ------------------------------------------------------------------ end
     def cleanup(self) -> None:
-        """Delete the memory root and the mark (ours: we wrote it), then stop listening."""
-        mode = _lkind(self.root)
-        if mode is not None and stat.S_ISDIR(mode):
+        """Stop listening, delete the memory root, then the mark (ours: we wrote it) once the root is gone."""
+        self.close_connections()
+        deadline = time.monotonic() + _DELETE_TRIES_S
+        while True:
+            mode = lkind(self.root)
+            if mode is None or not stat.S_ISDIR(mode):
+                break
             shutil.rmtree(self.root, ignore_errors=True)  # rmtree never follows a symbolic link inside
+            if lkind(self.root) is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)  # something still writes into it (an orphan writer finishing a memory save)
+        if lkind(self.root) is not None:
+            log.error("memory tier: %s could not be deleted within %.0fs (something still writes into it): its mark "
+                      "stays, so the next holder adopts it (and deletes it in turn)", self.root, _DELETE_TRIES_S)
+            return
         mark = read_mark(self.base, self.key)
         if mark is not None and mark.get("token") == self.token:
             os.unlink(mark_path(self.base, self.key))
         for made in (os.path.join(self.base, f"{self.key}.lock"), log_path(self.base, self.key)):
-            if stat.S_ISREG(_lkind(made) or 0):
+            # (unlinking <key>.lock can let two starters both pass its flock: harmless, the abstract socket is
+            # the real mutex and the second holder exits at once, EXIT_RUNNING)
+            if stat.S_ISREG(lkind(made) or 0):
                 try:
                     os.unlink(made)
                 except OSError:
                     pass
+
+    def close_connections(self) -> None:
+        """Close the listener first (a reattaching trainer finds no holder and starts one), then every client."""
+        if self.listener is not None:
+            try:
+                self.sel.unregister(self.listener)
+            except (KeyError, ValueError):
+                pass
+            self.listener.close()
+            self.listener = None
         for conn in list(self.bufs):
             conn.close()
-        if self.listener is not None:
-            self.listener.close()
-
-
-def _lkind(path: str) -> Optional[int]:
-    try:
-        return os.lstat(path).st_mode
-    except FileNotFoundError:
-        return None
+        self.bufs.clear()
+        self.attached.clear()
 
 
 def main(argv: List[str]) -> int:
@@ -244,9 +319,19 @@ def main(argv: List[str]) -> int:
     code = holder.start()
     if code >= 0:
         return code
+    return run(holder)
+
+
+def run(holder: Holder) -> int:
+    """Serve; delete the root only when the holder stops for a reason (release, idle, a signal). An internal
+    error leaves the root and the mark to the next holder (it adopts them), and exits with EXIT_ERROR."""
     try:
         holder.serve()
-    finally:
-        log.info("memory tier: %s: releasing %s", holder.stop or "error", holder.root)
-        holder.cleanup()
+    except Exception:
+        log.exception("memory tier: internal error: %s and its mark are left for the next holder to adopt",
+                      holder.root)
+        holder.close_connections()
+        return EXIT_ERROR
+    log.info("memory tier: %s: releasing %s", holder.stop, holder.root)
+    holder.cleanup()
     return 0

@@ -14,7 +14,9 @@ symbolic link):
 
 A trainer trusts a holder only when the peer's credentials (``SO_PEERCRED``)
 name its own uid and the pid of the mark, and the holder's hello carries the
-mark's token and the same protocol and nostall versions. This module does not
+mark's token and the same protocol and nostall versions. The holder in turn
+serves only peers of its own uid, and takes ``attach`` and ``release`` only
+with the mark's token (which only this user can read). This module does not
 import torch.
 """
 
@@ -52,9 +54,9 @@ class NoHello(MemoryTierError):
 
 
 def nostall_version() -> str:
-    from nostall import __version__
+    import nostall  # the package's version string only (as saving/writer.py reads it)
 
-    return __version__
+    return nostall.__version__
 
 
 def job_id() -> str:
@@ -147,17 +149,18 @@ def recv(sock: socket.socket, buf: bytearray, deadline: float) -> Optional[Dict[
 class HolderLink:
     """A verified connection to a job's holder on this host."""
 
-    def __init__(self, sock: socket.socket, pid: int, base: str, key: str) -> None:
+    def __init__(self, sock: socket.socket, pid: int, base: str, key: str, token: str) -> None:
         self.sock = sock
         self.pid = pid
+        self.token = token  # the mark's: attach and release carry it (the holder refuses them without)
         self.base = base
         self.key = key
         self._buf = bytearray()
 
     def ask(self, msg: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-        """Send ``msg`` and wait (bounded) for the holder's answer."""
+        """Send ``msg`` (with the mark's token) and wait (bounded) for the holder's answer."""
         try:
-            send(self.sock, msg)
+            send(self.sock, dict(msg, token=self.token))
             got = recv(self.sock, self._buf, time.monotonic() + timeout)
         except (OSError, ValueError) as e:
             raise MemoryTierError(f"the memory tier's holder (pid {self.pid}) did not answer {msg.get('op')!r}: "
@@ -207,7 +210,8 @@ def connect(base: str, key: str, timeout: float, hello_s: float = 2.0) -> Option
                        "and restart the job")
         if problem:
             raise MemoryTierError(f"the memory tier's holder for {base}/{key} is refused: {problem}")
-        return HolderLink(sock, pid, base, key)
+        assert mark is not None
+        return HolderLink(sock, pid, base, key, mark["token"])
     except BaseException:
         sock.close()
         raise

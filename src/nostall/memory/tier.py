@@ -105,12 +105,16 @@ class Tiers:
                     "extends it to several, is not built yet): drop memory_tier for this job")
             if comm.rank == 0:
                 claim = self.root.claim()  # also removes what a crashed memory save left in the memory root
-                if claim.held:
-                    self._claim = claim
+                if not claim.held:
+                    pid = self._link.pid if self._link else -1
+                    raise MemoryTierError(f"rank 0: the memory root {self.root.url} (holder pid {pid}) "
+                                          f"is in use by {claim.owner}: stop that job (or wait for it) before "
+                                          "starting this one, or drop memory_tier")
+                self._claim = claim
             log.info("rank %d: memory tier in %s (holder pid %d): a save is persistent every %d steps, in memory "
                      "otherwise", comm.rank, self.root.url, self._link.pid if self._link else -1, self.persist_every)
         except BaseException:
-            self.close()
+            self.close(release=False)  # a failed start keeps the snapshots it came to restore (idle bound)
             raise
 
     # ------------------------------------------------------------------ saves
@@ -130,9 +134,10 @@ class Tiers:
     def restore(self, persistent_latest: Callable[[], Optional[int]], load_memory: Callable[[str], Any],
                 load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]],
                 path_of: Callable[[int], str]) -> Tuple[Any, Restored]:
-        """Load from the freshest complete tier (collective): the newest step committed in every rank's memory
-        root when it is newer than the persistent root's latest (rank 0's view of it), else the persistent
-        root; a memory load that fails on any rank makes every rank fall back to the persistent root."""
+        """Load from the freshest complete tier (collective): the memory root's latest committed step, the same
+        on every rank, when it is newer than the persistent root's latest (rank 0's view of it), else the
+        persistent root; a memory load that fails on any rank makes every rank fall back to the persistent
+        root. Snapshots newer than the step restored are then dropped (:meth:`drop_newer`)."""
         comm = self.comm
         t0 = time.perf_counter()
         step, latest = self.freshest(persistent_latest)
@@ -150,6 +155,7 @@ class Tiers:
                 restored = Restored("memory", step, path, bytes_of(result), 0, time.perf_counter() - t0)
                 log.info("rank %d: restored step %d from the memory tier (%s) in %.3fs, 0 bytes from the persistent "
                          "root", comm.rank, step, path, restored.seconds)
+                self.drop_newer(step)
                 return result, restored
             fell_back = "; ".join(errors)
             log.warning("rank %d: the memory checkpoint of step %d is refused (%s): restoring from the persistent "
@@ -161,25 +167,64 @@ class Tiers:
         result = load_persistent()
         n = bytes_of(result)
         where = path_of(latest) if latest is not None else ""
+        if latest is not None:
+            self.drop_newer(latest)
         return result, Restored("persistent", latest, where, n, n, time.perf_counter() - t0, fell_back)
 
     def freshest(self, persistent_latest: Callable[[], Optional[int]]) -> Tuple[Optional[int], Optional[int]]:
         """(the step a restore loads, the persistent root's latest), both None when there is nothing (collective).
 
-        The step is the newest committed in every rank's memory root when it
-        is newer than the persistent root's latest (rank 0's view of it, the
-        same on every rank), else that latest.
+        The step is the memory root's latest committed step (its ``latest``
+        when that names a committed step, as a persistent load reads it; not
+        the highest step number: a snapshot of an abandoned timeline may be
+        higher) when every rank sees the same one and it is newer than the
+        persistent root's latest (rank 0's view of it, the same on every
+        rank), else that latest. An error on any rank is raised on every rank
+        (each reaches the exchange with it).
         """
         comm = self.comm
-        mine = self.root.steps()
-        latest = persistent_latest() if comm.rank == 0 else None
-        every = comm.all_gather((mine, latest)) if comm.size > 1 else [(mine, latest)]
+        mine: Optional[int] = None
+        latest: Optional[int] = None
+        error: Optional[str] = None
+        try:
+            mine = self.root.latest_step()
+            latest = persistent_latest() if comm.rank == 0 else None
+        except Exception as e:  # every rank must learn it: the others would wait in the exchange below
+            error = f"rank {comm.rank}: {type(e).__name__}: {e}"
+        every = comm.all_gather((mine, latest, error)) if comm.size > 1 else [(mine, latest, error)]
+        errors = [e for _, _, e in every if e]
+        if errors:
+            raise CheckpointLoadError(f"the freshest checkpoint of the memory tier ({self.root.url}) and the "
+                                      f"persistent root cannot be found: {'; '.join(errors)}")
         latest = every[0][1]
-        common = set(every[0][0]).intersection(*(set(s) for s, _ in every[1:]))
-        memory = max(common) if common else None
+        seen = {m for m, _, _ in every}
+        if len(seen) > 1:
+            log.warning("rank %d: the ranks see different latest memory steps (%s): the memory tier is not used for "
+                        "this restore", comm.rank, sorted(seen, key=lambda m: -1 if m is None else m))
+        memory = every[0][0] if len(seen) == 1 else None
         if memory is not None and (latest is None or memory > latest):
             return memory, latest
         return latest, latest
+
+    def drop_newer(self, step: int) -> None:
+        """After a load restored ``step``: rank 0 deletes the committed memory snapshots newer than it (a timeline
+        the job left: they must never be restored later, and retention keeps the highest steps). Only
+        checkpoints nostall committed are deleted (``delete_step`` leaves anything else alone). Failures are
+        logged, not raised: the load is done; such a snapshot stays below the memory root's ``latest``, which
+        the next memory save moves."""
+        if self.comm.rank != 0:
+            return
+        try:
+            newer = [s for s in self.root.steps() if s > step]
+            for s in newer:
+                self.root.delete_step(s)
+        except Exception as e:
+            log.warning("rank 0: could not drop the memory snapshots newer than step %d from %s: %s", step,
+                        self.root.url, e)
+            return
+        if newer:
+            log.info("rank 0: dropped the memory snapshots of steps %s (newer than step %d, which was loaded)", newer,
+                     step)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, release: bool = True, timeout: float = 10.0) -> None:
