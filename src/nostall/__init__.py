@@ -28,6 +28,7 @@ from nostall.errors import (
     CheckpointSaveError,
     CheckpointTimeoutError,
     InvalidStateError,
+    WriterVersionError,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,6 +77,7 @@ __all__ = [
     "CheckpointLoadError",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
+    "WriterVersionError",
 ]
 
 

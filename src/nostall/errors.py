@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",
+    "WriterVersionError",
     "InvalidStateError",
     "CheckpointLoadError",
     "CheckpointCorruptError",
@@ -36,6 +37,13 @@ class CheckpointTimeoutError(CheckpointSaveError, TimeoutError):
     is stuck; raise ``timeout`` if such delays are legitimate. Nothing was
     committed; a CheckpointManager's next ``save()`` (on every rank) works again.
     """
+
+
+class WriterVersionError(CheckpointSaveError):
+    """A rank's background writer runs other nostall code than its trainer (the package was reinstalled or
+    upgraded under the running job): it is refused and writes nothing. Raised on every rank alike by the save
+    that meets it, naming the rank(s); restart the job so that every process runs the same code
+    (docs/protocol.md, "Which code")."""
 
 
 class InvalidStateError(CheckpointSaveError, ValueError):

@@ -432,20 +432,22 @@ class CheckpointManager:
 
         A root whose lock is held by an orphan writer finishing the last save of a trainer that died (its
         lock record says until when: docs/protocol.md, "Lifetime") is waited for, bounded
-        (:meth:`Claim.wait_left`), in rounds: after each look rank 0 tells every rank whether to wait on.
+        (:meth:`Claim.wait_left`), in rounds: after each look rank 0 tells every rank whether to wait on, and at
+        the end whether its claim holds the root's lock (``SaveJob.root_locked``: rank 0's writer shares it).
         """
         assert self._root is not None
         started = time.monotonic()
         waiting_for = ""
         while True:
             error: Optional[str] = None
-            wait = False
+            wait = locked = False
             if self._comm.rank == 0:
                 try:
                     claim = self._root.claim()
                     waited = time.monotonic() - started
                     if claim.held:
                         self._claim = claim
+                        locked = claim.locked
                         if waiting_for:
                             log.info("rank 0: took checkpoint root %s after %.1fs", self.root, waited)
                     elif claim.wait_left(waited) > 0:
@@ -466,10 +468,11 @@ class CheckpointManager:
                 except (OSError, CheckpointError) as e:
                     error = f"cannot use checkpoint root {self.root}: {e}"
             if self._comm.size > 1:
-                error, wait = self._comm.broadcast((error, wait))
+                error, wait, locked = self._comm.broadcast((error, wait, locked))
             if error is not None:
                 raise CheckpointSaveError(error)
             if not wait:
+                self._saver.root_locked = locked
                 return
             if self._comm.rank == 0:
                 time.sleep(0.2)

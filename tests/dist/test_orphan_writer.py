@@ -13,12 +13,21 @@ root's lock record says, and that no process is left.
   read none of them yet) is finished by the orphans and committed.
 - A trainer killed alone (rank 1): its orphan writer writes its part and
   its record, and rank 0 (alive) commits the save.
+- Rank 0's root has no flock (its claim holds no lock, so its writer holds
+  none): every orphan dies, rank 1's too, though its job was handed over
+  whole (``SaveJob.root_locked`` is False): nothing would keep a restarted
+  job's clean-up of ``.tmp`` off what it writes.
 - A restarted job finds the root's lock held by rank 0's orphan writer,
   which is finishing a whole job (held by the test's gate,
   ``Faults.writer_gate``): it waits for it, then takes the root and finds
   the orphan's save committed.
 - A lock whose orphan holder is past the bound it promised is refused at
   once, naming the writer and the fix.
+- The claim's bounds (no waiting done): an orphan's record is waited for as
+  long as the job's whole life that it states (timeout + 15 s, plus slack),
+  above the old 600 s cap; a record naming a trainer of this host that has
+  exited, its lock still held (its orphan has not rewritten the record yet),
+  is waited for a few seconds instead of refused at once.
 """
 
 from __future__ import annotations
@@ -180,6 +189,45 @@ def test_a_trainer_killed_alone_its_orphan_reports_and_rank_0_commits(tmp_path):
     assert _load_latest(root) == (2, [1, 2])
 
 
+def _no_flock_then_die(rank, world, root, out_dir, gate):
+    if rank == 0:  # rank 0's filesystem has no flock: its claim holds no lock (nor does its writer)
+        import errno
+        import fcntl
+
+        real = fcntl.flock
+
+        def flock(fd, op):
+            if op & fcntl.LOCK_NB:
+                raise OSError(errno.ENOLCK, "no locks available")
+            return real(fd, op)
+
+        fcntl.flock = flock
+    # a timeout far above BOUND_S: an orphan allowed to finish would outlive the test's bound (timeout + 15 s)
+    with nostall.CheckpointManager(root, async_save=True, timeout=600) as mgr:
+        mgr.save(1, _state(1, rank)).result()
+        mgr._faults.writer_gate = gate  # the writers write nothing of step 2 while the test holds the gate
+        mgr.save(2, _state(2, rank))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"writer": mgr.writer_pid, "trainer": os.getpid()}, f)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_without_rank_0s_lock_every_orphan_dies_rank_1s_too(tmp_path):
+    root, out = str(tmp_path / "run"), str(tmp_path / "out")
+    gate = str(tmp_path / "gate")
+    os.makedirs(out)
+    with pytest.raises(AssertionError, match="without reporting"):
+        run_ranks(2, _no_flock_then_die, root, out, gate, timeout=120, grace=30)
+    pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+    try:  # the job was handed over whole on both ranks: only the missing lock makes the orphans die
+        _wait("the writers to be gone (the gate still shut)", lambda: all(_gone(p["writer"]) for p in pids))
+    finally:
+        open(gate, "w").close()
+    assert "writer_of" not in _lock_record(root)
+    latest, steps = _load_latest(root)
+    assert (latest, steps) == (1, [1])
+
+
 def _resume(rank, world, root, out_dir):
     handler = logging.FileHandler(os.path.join(out_dir, f"resume{rank}.log"))
     logging.getLogger("nostall").addHandler(handler)
@@ -264,3 +312,59 @@ def test_an_orphan_past_its_promised_bound_is_refused_naming_it(tmp_path):
         holder.wait(BOUND_S)
     with nostall.CheckpointManager(root, async_save=True, timeout=5) as mgr:  # free once the holder is gone
         assert mgr.latest_step() is None
+
+
+_HOLD_RECORD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.pwrite(fd, sys.argv[2].encode(), 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def _claim_with_record(root, record: dict):
+    """The claim a new manager's rank 0 gets while another process holds the lock with ``record``."""
+    from nostall.storage.posix import PosixRoot
+
+    (root / ".tmp").mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_RECORD, str(root / ".tmp" / ".lock"), json.dumps(record)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        return PosixRoot(str(root)).claim()
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(BOUND_S)
+
+
+def test_the_claim_waits_for_an_orphans_whole_promised_life(tmp_path):
+    import socket
+
+    from nostall.storage.root import ORPHAN_WAIT_SLACK_S
+
+    life = 600.0 + 15.0  # the default timeout's orphan
+    claim = _claim_with_record(tmp_path / "run", {"host": socket.gethostname(), "pid": os.getpid(), "since": "then",
+                                                   "writer_of": 12345, "step": 7, "until": time.time() + 3600,
+                                                   "life": life})
+    assert not claim.held and claim.busy_until is not None
+    assert claim.wait_left(life - 1) > 0  # after 614 s of waiting, still worth waiting (the old cap: 600 s)
+    assert claim.wait_left(life + ORPHAN_WAIT_SLACK_S) == 0
+
+
+def test_a_lock_held_after_its_trainer_of_this_host_exited_is_waited_for_briefly(tmp_path):
+    import socket
+
+    from nostall.storage.root import OWNER_GONE_WAIT_S
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(BOUND_S)  # a pid of this host that has exited (the trainer killed before its orphan said so)
+    claim = _claim_with_record(tmp_path / "run", {"host": socket.gethostname(), "pid": gone.pid, "since": "then"})
+    assert not claim.held and claim.busy_until is not None and claim.wait_left(0) > 0
+    assert claim.wait_left(OWNER_GONE_WAIT_S) == 0
+    assert f"pid {gone.pid}" in claim.owner and "exited" in claim.owner
+    alive = _claim_with_record(tmp_path / "run2", {"host": socket.gethostname(), "pid": os.getpid(), "since": "then"})
+    assert not alive.held and alive.busy_until is None and alive.wait_left(0) == 0  # a live job: refused at once

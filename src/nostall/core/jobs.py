@@ -8,7 +8,10 @@ plain picklable dataclasses. This module does not import torch; a test
 checks that the writer process never does.
 
 Messages between a trainer and its writer (one :class:`Msg` each, over a
-socket pair):
+socket pair). The writer's first message is a PONG whose ``text`` is the code it
+runs (:func:`nostall.saving.writer.code_token`) and ``size`` its pid: the
+trainer reads it before the first save's collective rounds, and a writer of
+other code than the trainer's is refused (docs/protocol.md, "Which code"):
 
 =============  ===========  ==================================================
 op             direction    meaning
@@ -24,7 +27,8 @@ ATTACHED       to trainer   the area of ``size`` bytes is mapped
 CHUNK_DONE     to trainer   chunk ``index`` is written: its half may be reused
                             (never for a streamed job: nothing is reused)
 RESULT         to trainer   the job's :class:`JobResult`
-PONG/STOPPED   to trainer   answers to PING / STOP
+PONG/STOPPED   to trainer   answers to PING / STOP; the first message of all is a PONG
+                            (hello): ``text`` the writer's code token, ``size`` its pid
 =============  ===========  ==================================================
 """
 
@@ -131,6 +135,10 @@ class SaveJob:
     side_files: Tuple[Tuple[str, bytes], ...] = ()  # rank 0: small files committed with the checkpoint
     max_write_rate: Optional[float] = None  # bytes/s cap on this rank's writes (Options.max_write_rate)
     drop_records: Optional[Destination] = None  # rank 0: the previous async save, whose records it drops first
+    # Rank 0's writer holds the root's lock (its trainer's claim, shared with it: Root.held_lock), as every rank
+    # learns when the manager claims the root: only then may an orphan writer of another rank finish this job
+    # (a restarted job waits for that lock; docs/protocol.md, "Lifetime").
+    root_locked: bool = False
 
     @property
     def step(self) -> Optional[int]:

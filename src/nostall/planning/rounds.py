@@ -33,7 +33,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from nostall.errors import CheckpointSaveError, InvalidStateError, describe
+from nostall.errors import CheckpointSaveError, InvalidStateError, WriterVersionError, describe
 from nostall.planning import replicas
 from nostall.planning.comm import Comm
 from nostall.core.format import gc_paused
@@ -42,7 +42,7 @@ from nostall.planning.plan import (RankMeta, RankPlan, SavePlan, build_plan, che
 
 __all__ = ["Report", "Agreed", "Rounds"]
 
-_KINDS: Dict[str, type] = {"state": InvalidStateError, "save": CheckpointSaveError}
+_KINDS: Dict[str, type] = {"state": InvalidStateError, "save": CheckpointSaveError, "version": WriterVersionError}
 _Error = Optional[Tuple[str, str]]  # (kind, message): an error raised alike on every rank
 
 
@@ -56,6 +56,7 @@ class Report:
     objects: Dict[str, Any]  # its JSON values saved once for all ranks
     per_rank_objects: Dict[str, Any]  # its JSON values of its own
     step: Optional[int]
+    writer_error: Optional[str] = None  # its background writer is refused (runs other code): why
 
 
 @dataclass
@@ -151,6 +152,9 @@ class Rounds:
         msg = failures([r.state_error for r in reports], "save", step)
         if msg is not None:
             return ("state", msg), "", False, False
+        msg = failures([r.writer_error for r in reports], "save", step)
+        if msg is not None:
+            return ("version", msg), "", False, False
         msg = failures([r.target_error for r in reports], "save", step)
         if msg is not None:
             return ("save", msg), "", False, False

@@ -28,12 +28,14 @@ from nostall.errors import CheckpointError, CheckpointTimeoutError
 from nostall.core.jobs import JobResult, Msg, Op, SaveJob, Segment
 from nostall.saving.area import StagingArea
 from nostall.saving.writer import (
-    CODE_TOKEN_ENV, LOG_LEVEL_ENV, ManifestRecords, WriterVersionError, code_token, version_refusal, without_records,
+    CODE_TOKEN_ENV, LOG_LEVEL_ENV, ManifestRecords, code_token, version_refusal, without_records,
 )
 
 log = logging.getLogger("nostall")
 
 _POLL_S = 0.1
+HELLO_WAIT_S = 10.0
+"""The longest a save waits for a new writer's first message (which code it runs: :meth:`BackgroundWriter.refusal`)."""
 # A fresh interpreter running nostall.saving.writer.main (imported, so that the
 # messages it pickles name nostall.saving.writer's classes, not __main__'s).
 # An orphan writer (its trainer died) may only finish a job handed over whole, bounded, and rank 0's only while
@@ -93,7 +95,7 @@ class BackgroundWriter:
         self._behind = False  # a job was reported since the last flush (its retention may still run)
         self._held: Optional[ManifestRecords] = None  # the tensor records the writer process holds (rank 0)
         self._greeted = False  # the writer's first message (which code it runs) was read
-        self.refused: Optional[WriterVersionError] = None  # the writer runs other code than this trainer
+        self.refused: Optional[str] = None  # why the writer is refused: it runs other code than this trainer
         self._start()
 
     # ------------------------------------------------------------------ process
@@ -138,22 +140,37 @@ class BackgroundWriter:
         return self.proc is not None and self.proc.poll() is None
 
     def ensure_alive(self) -> None:
-        """Start a fresh writer if the previous one died; raise :class:`WriterVersionError` if the writer's first
-        message, read by now (never waited for here), says it runs other code than this trainer."""
+        """Start a fresh writer if the previous one died."""
         if not self.alive():
             code = self.proc.returncode if self.proc is not None else None
             log.warning("rank %d: writer process exited (code %s); starting a new one", self.rank, code)
             self._close_channel()
             self._start()
-        if not self._greeted and self._conn is not None and self._conn.poll(0):
+
+    def refusal(self, wait_s: float = HELLO_WAIT_S) -> Optional[str]:
+        """Why this rank's writer is refused (it runs other code than this trainer: see :func:`version_refusal`),
+        or None. Its first message says which code it runs: when not read yet, it is waited for, at most
+        ``wait_s`` (once per writer process: it was started with the manager, so it is normally there). A
+        save reports the refusal in its collective rounds, so that it fails on every rank alike
+        (:class:`~nostall.errors.WriterVersionError`) before any byte moves. Unknown after the wait: None
+        (the writer refuses any job itself, through the protocol)."""
+        deadline = time.monotonic() + wait_s
+        while not self._greeted and self._conn is not None and self.alive():
+            if not self._conn.poll(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    log.warning("rank %d: the writer process %s has not said which code it runs after %.0fs; going "
+                                "on (a writer of other code refuses every job itself)", self.rank, self.pid, wait_s)
+                    self._greeted = True  # not waited for again
+                    break
+                continue
             try:  # the writer's first message is its hello: anything else (a writer of old code) is kept
                 msg = self._conn.recv()
-                if not self._hello(msg):
-                    self._stash.append(msg)
             except (EOFError, OSError):
-                pass  # it died: the job's wait finds out
-        if self.refused is not None:
-            raise self.refused
+                break  # it died: the save's wait finds out
+            if not self._hello(msg):
+                self._greeted = True  # a writer of code from before the handshake: it never says
+                self._stash.append(msg)
+        return self.refused
 
     def _hello(self, msg: Msg) -> bool:
         """Whether ``msg`` is the writer's first message, which says which code it runs (then checked:
@@ -163,9 +180,8 @@ class BackgroundWriter:
         self._greeted = True
         mine = code_token()
         if msg.text != mine:
-            self.refused = WriterVersionError(f"rank {self.rank}: " + version_refusal(mine, msg.text, os.getpid(),
-                                                                                      msg.size))
-            log.error("%s", self.refused)
+            self.refused = version_refusal(mine, msg.text, os.getpid(), msg.size)
+            log.error("rank %d: %s", self.rank, self.refused)
         return True
 
     def _close_channel(self) -> None:

@@ -310,6 +310,7 @@ class Saver:
         self._chain = 0  # saves in the current chain (Options.full_every)
         self._records: Optional[Tuple[SavePlan, Records]] = None  # rank 0: the cached plan's tensor records
         self._last_records: Optional[Destination] = None  # the last async save (the next job drops its records)
+        self.root_locked = False  # rank 0's writer holds the root's lock (set at the root's claim: SaveJob.root_locked)
 
     # ------------------------------------------------------------------ collective phases
     def plan(self, state: Any) -> RankPlan:
@@ -317,7 +318,9 @@ class Saver:
         return self._prepare(state, None, None, time.perf_counter(), records=False).mine
 
     def _prepare(self, state: Any, template: Optional[Destination], step: Optional[int], t0: float,
-                 records: bool, given: Optional[Mapping[str, Any]] = None) -> Prepared:
+                 records: bool, given: Optional[Mapping[str, Any]] = None, refused: Optional[str] = None) -> Prepared:
+        """The collective phases; ``refused``: why this rank's writer is refused (it fails the save on every rank
+        alike, :class:`~nostall.errors.WriterVersionError`)."""
         comm = self.comm
         state_err: Optional[str] = None
         target_err: Optional[str] = None
@@ -337,7 +340,7 @@ class Saver:
         save_id = uuid.uuid4().hex if comm.rank == 0 else ""
         dest = replace(template, save_id=save_id) if template is not None else None
         made = False
-        if state_err is None and comm.rank == 0 and dest is not None:
+        if state_err is None and refused is None and comm.rank == 0 and dest is not None:
             try:
                 dest.root.make_staging(dest)
                 made = True
@@ -346,7 +349,8 @@ class Saver:
             except Exception as e:  # a storage back end may raise its own types: all must reach every rank
                 target_err = f"cannot save to {dest.path}: {describe(e)}"
         try:
-            agreed, prepared = self._plan_round(state_err, target_err, sig, flat, meta, step, save_id, dest, t0)
+            agreed, prepared = self._plan_round(state_err, target_err, sig, flat, meta, step, save_id, dest, t0,
+                                                refused)
         except BaseException:  # a collective failed: the other ranks see it fail too
             if made:
                 assert dest is not None
@@ -369,14 +373,14 @@ class Saver:
 
     def _plan_round(self, state_err: Optional[str], target_err: Optional[str], sig: str, flat: Optional[FlatState],
                     meta: Any, step: Optional[int], save_id: str, dest: Optional[Destination],
-                    t0: float) -> Tuple[Optional[Exception], Optional[Prepared]]:
+                    t0: float, refused: Optional[str] = None) -> Tuple[Optional[Exception], Optional[Prepared]]:
         """The collective phases (:mod:`nostall.planning.rounds`): outcomes, plan (or the held one), replicas.
 
         Returns the error every rank raises alike, or the prepared save.
         """
         rounds = self._rounds
         objs = (flat.objects, flat.per_rank_objects) if flat is not None else ({}, {})
-        report = Report(state_err, target_err, rounds.holds(sig), objs[0], objs[1], step)
+        report = Report(state_err, target_err, rounds.holds(sig), objs[0], objs[1], step, refused)
         error, agreed = rounds.run(report, meta,
                                    lambda keys: replicas.digests(flat, keys),  # type: ignore[arg-type]
                                    self.options.check_replicas, save_id)
@@ -408,7 +412,7 @@ class Saver:
                 or (self.options.full_every is not None and self._chain >= self.options.full_every))
         return SaveJob(dest, self.comm.rank, self.comm.size, files, self.options.block_size, self.options.timeout,
                        manifest=manifest, faults=self.faults, side_files=p.side_files, incremental=incremental,
-                       base="" if full or not incremental else base_id)
+                       base="" if full or not incremental else base_id, root_locked=self.root_locked)
 
     def _committed(self, job: SaveJob) -> None:
         """``job`` committed: the next incremental save may reuse its pieces."""
@@ -477,8 +481,9 @@ class Saver:
         rank's state larger than that goes through the area in chunks.
         """
         t_start = time.perf_counter()
+        writer.ensure_alive()
         p = self._prepare(state, template, template.step, t_call if t_call is not None else t_start, records=True,
-                          given=side)
+                          given=side, refused=writer.refusal())
         crash_point("planned", p.step)
         writer.ensure_alive()
         files = p.mine.files

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Tupl
 
 from nostall.saving.commit import COMMIT_SLACK_S, RecordBarrier, run_job
 from nostall.saving.datafiles import Base, Checksums, History, Writer, collect, file_out, report_pacing, write_files
-from nostall.errors import CheckpointSaveError
+from nostall.errors import CheckpointSaveError, WriterVersionError
 from nostall.core.faults import code_token_override
 from nostall.core.format import Manifest, TensorRecord
 from nostall.core.jobs import Done, FileJob, JobResult, Msg, Op, SaveJob, Segment, Written
@@ -133,10 +133,6 @@ CODE_TOKEN_ENV = "NOSTALL_CODE_TOKEN"
 """The trainer's :func:`code_token`, in the environment of the writer it starts."""
 
 
-class WriterVersionError(CheckpointSaveError):
-    """A background writer runs other nostall code than its trainer: it is refused, never used."""
-
-
 @functools.lru_cache(maxsize=None)
 def _source_token() -> str:
     import nostall
@@ -158,11 +154,15 @@ def _source_token() -> str:
 
 
 def code_token() -> str:
-    """Which nostall code this process runs: its version and a hash of the package's source files, computed
-    once per process. A trainer and the processes serving it (its writer) must show the same
-    (docs/protocol.md, "Lifetime"); a test may give a writer another one
-    (:func:`~nostall.core.faults.code_token_override`)."""
+    """Which nostall code this process runs: its version and a hash of the package's source files as they were
+    when this process imported this module (nostall's saving layer: a trainer, with its first
+    ``CheckpointManager`` or save; a writer, as it starts), computed once per process. A trainer and the
+    processes serving it (its writer) must show the same (docs/protocol.md, "Which code"); a test may give a
+    writer another one (:func:`~nostall.core.faults.code_token_override`)."""
     return code_token_override() or _source_token()
+
+
+_source_token()  # now, at import: the files this process loaded its code from, not those on disk later
 
 
 def version_refusal(trainer: str, writer: str, trainer_pid: int, writer_pid: int) -> str:
@@ -431,7 +431,9 @@ class _Server(Feeding):
                     "(within %.0fs), then exiting", job.rank, self.trainer, job.step,
                     " whole" if self._whole else ", as far as it staged it", left)
         if self.lock_fd is not None and job.rank == 0:
-            data = lock_record(writer_of=self.trainer, step=job.step, until=time.time() + left)
+            # life: the whole life the job allows an orphan (a new manager waits at most that, plus slack)
+            data = lock_record(writer_of=self.trainer, step=job.step, until=time.time() + left,
+                               life=job.timeout + ORPHAN_SLACK_S)
             try:  # longer than the trainer's record: written over it in one write, then cut to its length
                 os.pwrite(self.lock_fd, data, 0)
                 os.ftruncate(self.lock_fd, len(data))
@@ -440,8 +442,12 @@ class _Server(Feeding):
 
     def _may_finish(self, job: SaveJob) -> bool:
         """Whether an orphan may finish ``job`` once it is handed over whole (no chunk to come): on a root
-        whose lock keeps a restarted job off it, and rank 0's writer holding that lock."""
-        return job.dest.root.orphans_may_finish and (job.rank != 0 or self.lock_fd is not None)
+        whose lock keeps a restarted job off it, and rank 0's writer holding that lock (this process on rank 0;
+        on another rank, what the job says: ``SaveJob.root_locked``). Otherwise an orphan of rank 0 dies, and
+        one of another rank could still write into the root's ``.tmp`` while a restarted job claims it."""
+        if not job.dest.root.orphans_may_finish:
+            return False
+        return self.lock_fd is not None if job.rank == 0 else job.root_locked
 
     def receiving(self, on: bool) -> None:
         with self._state:  # (the end of the stream is no message: a recv that will only meet it counts as none)

@@ -418,11 +418,11 @@ class PosixRoot(Root):
         except OSError as e:
             if e.errno not in self._UNSUPPORTED_LOCK:
                 try:
-                    owner, until = lock_holder(os.pread(fd, 4096, 0))
+                    owner, until, wait_max = lock_holder(os.pread(fd, 4096, 0))
                 except OSError:
-                    owner, until = "an unknown process", None
+                    owner, until, wait_max = "an unknown process", None, 0.0
                 os.close(fd)
-                return Claim(False, owner, busy_until=until)
+                return Claim(False, owner, busy_until=until, wait_max=wait_max)
             locked = False
             log.warning("%s: this filesystem does not support flock (%s); saving without the guard against a "
                         "second job on this root: make sure one job saves to it at a time", self.url, e)

@@ -222,10 +222,17 @@ def is_nostall_manifest(raw: bytes, where: str) -> bool:
         return False
 
 
-ORPHAN_WAIT_MAX_S = 600.0
-"""The longest a new manager waits for the lock of a root that an orphan writer holds (see :class:`Claim`)."""
+ORPHAN_WAIT_MAX_S = 3600.0
+"""The longest a new manager waits for the lock of a root that an orphan writer holds when its record does not say
+how long the orphan may live (``life``); see :class:`Claim`."""
+ORPHAN_LIFE_MAX_S = 7 * 86400.0
+"""The most a lock record's ``life`` is believed (a longer one is cut to this)."""
 ORPHAN_WAIT_SLACK_S = 10.0
 """How long past the ``until`` it announced an orphan writer is waited for (its watchdog kills it at ``until``)."""
+OWNER_GONE_WAIT_S = 5.0
+"""How long a new manager waits for a lock still held after the process its record names exited on this host: the
+trainer's orphan writer rewrites the record within 2 s of its trainer's death (then it is waited for, as long as
+it promises), or dies with it (then the lock is free)."""
 
 
 def lock_record(**extra: Any) -> bytes:
@@ -234,20 +241,41 @@ def lock_record(**extra: Any) -> bytes:
                        "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **extra}).encode()
 
 
-def lock_holder(raw: bytes) -> Tuple[str, Optional[float]]:
-    """Who holds a root's lock, from its record, and until when it promised to hold it (wall-clock seconds):
-    only an orphan writer finishing its last save promises that (its record has ``writer_of`` and ``until``)."""
+def _exited(pid: Any) -> bool:
+    """Whether process ``pid`` of this host is known to have exited."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, TypeError, OverflowError):
+        return False
+    return False
+
+
+def lock_holder(raw: bytes) -> Tuple[str, Optional[float], float]:
+    """Who holds a root's lock, from its record; until when it promised to hold it (wall-clock seconds), or None;
+    and how long in all a new manager may wait for it (:meth:`Claim.wait_left`).
+
+    An orphan writer finishing its last save promises that (its record has ``writer_of``, ``until`` and ``life``:
+    the whole life its job allows). A record naming a process of this host that has exited, its lock still
+    held, is most likely that of a trainer that just died whose orphan writer has not rewritten it yet: it is
+    waited for :data:`OWNER_GONE_WAIT_S`. Anything else (a live job) promises nothing."""
     try:
         info = json.loads(raw or b"{}")
         owner = f"pid {info['pid']} on host {info['host']} (since {info['since']})"
         if "writer_of" not in info:
-            return owner, None
+            if info["host"] == socket.gethostname() and _exited(info["pid"]):
+                return (f"{owner}, which has exited, its lock still held by a process it started (an orphan writer "
+                        "that did not say so)", time.time(), OWNER_GONE_WAIT_S)
+            return owner, None, 0.0
         until = float(info["until"])
+        life = min(float(info["life"]), ORPHAN_LIFE_MAX_S) + ORPHAN_WAIT_SLACK_S if "life" in info \
+            else ORPHAN_WAIT_MAX_S
         return (f"the background writer (pid {info['pid']} on host {info['host']}) of a trainer that died "
                 f"(pid {info['writer_of']}), finishing the save of step {info.get('step')} until "
-                f"{time.strftime('%H:%M:%S %Z', time.localtime(until))}", until)
+                f"{time.strftime('%H:%M:%S %Z', time.localtime(until))}", until, life)
     except (ValueError, KeyError, TypeError, OverflowError):
-        return "an unknown process", None
+        return "an unknown process", None, 0.0
 
 
 class Claim:
@@ -259,20 +287,22 @@ class Claim:
     """
 
     def __init__(self, held: bool, owner: str = "", fd: Optional[int] = None, *, locked: bool = False,
-                 busy_until: Optional[float] = None) -> None:
+                 busy_until: Optional[float] = None, wait_max: float = ORPHAN_WAIT_MAX_S) -> None:
         self.held = held
         self.owner = owner
         self.locked = locked and fd is not None
         self.busy_until = busy_until
+        self.wait_max = wait_max  # the longest worth waiting for the holder in all (from its record)
         self._fd = fd
 
     def wait_left(self, waited: float) -> float:
         """A refused claim, after ``waited`` seconds of waiting: how much longer it is worth waiting for the
-        holder (until the ``busy_until`` it promised + :data:`ORPHAN_WAIT_SLACK_S`, at most
-        :data:`ORPHAN_WAIT_MAX_S` in all); 0 when the holder promised nothing (a live job: refused at once)."""
+        holder (until the ``busy_until`` it promised + :data:`ORPHAN_WAIT_SLACK_S`, at most ``wait_max`` in all:
+        an orphan writer's whole promised life + the slack, :func:`lock_holder`); 0 when the holder promised
+        nothing (a live job: refused at once)."""
         if self.held or self.busy_until is None:
             return 0.0
-        return max(0.0, min(self.busy_until + ORPHAN_WAIT_SLACK_S - time.time(), ORPHAN_WAIT_MAX_S - waited))
+        return max(0.0, min(self.busy_until + ORPHAN_WAIT_SLACK_S - time.time(), self.wait_max - waited))
 
     @property
     def fd(self) -> Optional[int]:
