@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import struct
 from operator import itemgetter
 from dataclasses import dataclass, field, replace
-from typing import Callable, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import crc32c as _crc32c
 
@@ -305,6 +305,9 @@ def gc_paused() -> Iterator[None]:
 
 
 
+_BOX_RANK = itemgetter(0, 1, 2)  # a piece's (offset, shape, rank): the order of a record's pieces
+
+
 @dataclass(frozen=True)
 class PieceRecord:
     offset: Shape
@@ -445,39 +448,70 @@ class Manifest:
             doc["references"] = {f.name: {"rank": f.rank, "size": f.size} for f in self.references.values()}
         return (json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True) + "\n").encode()
 
-    def with_crcs(self, crcs: Mapping[Tuple[str, int, int], Sequence[int]]) -> "Manifest":
-        """This manifest with each piece's checksums taken from ``crcs[(file, start, end)]`` (every piece where
-        it was planned; see :meth:`with_placed`)."""
-        return self.with_placed({k: Placed(k[0], k[1], k[2], tuple(c)) for k, c in crcs.items()}, None)
+    def with_pieces(self, pieces: Iterable[Tuple[int, str, int, Shape, Shape, "Placed"]],
+                    sizes: Mapping[str, FileRecord]) -> "Manifest":
+        """The manifest of this skeleton (records without pieces) and the pieces every rank wrote.
 
-    def with_placed(self, placed: Mapping[Tuple[str, int, int], "Placed"],
-                    sizes: Optional[Mapping[str, FileRecord]]) -> "Manifest":
-        """This manifest with each planned piece ``(file, start, end)`` where ``placed`` says its bytes are.
+        ``pieces``: (writing rank, key, the rank whose per-rank tensor it is or -1, global offset, shape,
+        where its bytes are) of each piece written
+        (the done records', :meth:`~nostall.core.jobs.Done.pieces`); each record's pieces sorted by
+        (offset, shape), a tied key taking those of the key it is tied to. ``sizes``: every data file
+        the pieces are in, own (``files``) and of earlier checkpoints (``<checkpoint>/<file>``,
+        ``references``), with their actual sizes.
 
-        ``sizes``: every data file the placed pieces are in, own (``files``)
-        and of earlier checkpoints (named ``<checkpoint>/<file>``,
-        ``references``), with their actual sizes; None: the files as planned.
+        Raises ValueError naming rank and key when a piece is of no key of the skeleton (a per-rank key
+        only in its own rank's record), or a tensor is not covered exactly (a gap, an overlap, a
+        piece twice): what the manifest promises is checked before it is published.
         """
+        world = len(self.per_rank)
+        glob: Dict[str, List[Tuple[Shape, Shape, int, PieceRecord]]] = {}
+        own: List[Dict[str, List[Tuple[Shape, Shape, int, PieceRecord]]]] = [{} for _ in range(world)]
+        tensors = self.tensors
+        for rank, key, of, off, shp, w in pieces:
+            rec = PieceRecord(off, shp, w.file, w.start, w.end, tuple(w.crc32c), w.digest)
+            if of >= 0:
+                if of >= world or key not in self.per_rank[of].tensors:
+                    raise ValueError(f"rank {rank} wrote per-rank tensor {key!r} of rank {of}, which the plan does "
+                                     "not have")
+                own[of].setdefault(key, []).append((off, shp, rank, rec))
+            else:
+                t = tensors.get(key)
+                if t is None or t.tied_to:
+                    raise ValueError(f"rank {rank} wrote a piece {list(off)}+{list(shp)} of key {key!r}, which the "
+                                     "plan does not have" + (f" (it is saved as {t.tied_to!r})" if t else ""))
+                glob.setdefault(key, []).append((off, shp, rank, rec))
 
-        def fill(t: TensorRecord) -> TensorRecord:
-            pieces = []
-            for p in t.pieces:
-                try:
-                    w = placed[(p.file, p.start, p.end)]
-                except KeyError:
-                    raise ValueError(f"no checksums reported for key {t.key!r} in {p.file} at {p.start}") from None
-                pieces.append(PieceRecord(p.offset, p.shape, w.file, w.start, w.end, tuple(w.crc32c), w.digest))
-            return replace(t, pieces=tuple(pieces))
+        def fill(t: TensorRecord, got: Optional[List[Tuple[Shape, Shape, int, PieceRecord]]]) -> TensorRecord:
+            got = sorted(got or (), key=_BOX_RANK)
+            boxes = [(o, s) for o, s, _, _ in got]
+            if not quick_tiles(t.shape, boxes):
+                problem = cover_problem(t.shape, boxes)
+                if problem:
+                    ranks = sorted({r for _, _, r, _ in got})
+                    raise ValueError(f"key {t.key!r}: the pieces ranks {ranks} wrote do not cover it exactly: "
+                                     f"{problem}")
+            return replace(t, pieces=tuple(p for _, _, _, p in got))
 
-        out = replace(
+        out_tensors = {}
+        for k, t in tensors.items():
+            out_tensors[k] = fill(t, glob.get(t.tied_to or k))
+        return replace(
             self,
-            tensors={k: fill(t) for k, t in self.tensors.items()},
-            per_rank=tuple(RankRecord({k: fill(t) for k, t in r.tensors.items()}, r.objects) for r in self.per_rank),
+            tensors=out_tensors,
+            per_rank=tuple(RankRecord({k: fill(t, own[r].get(k)) for k, t in rec.tensors.items()}, rec.objects)
+                           for r, rec in enumerate(self.per_rank)),
+            files={n: f for n, f in sizes.items() if "/" not in n},
+            references={n: f for n, f in sizes.items() if "/" in n},
         )
-        if sizes is None:
-            return out
-        return replace(out, files={n: f for n, f in sizes.items() if "/" not in n},
-                       references={n: f for n, f in sizes.items() if "/" in n})
+
+    def without_pieces(self) -> "Manifest":
+        """This manifest's skeleton: every record without its pieces (see :meth:`with_pieces`)."""
+        return replace(
+            self,
+            tensors={k: replace(t, pieces=()) for k, t in self.tensors.items()},
+            per_rank=tuple(RankRecord({k: replace(t, pieces=()) for k, t in r.tensors.items()}, r.objects)
+                           for r in self.per_rank),
+        )
 
     def renamed(self, name: Callable[[str], str]) -> "Manifest":
         """This manifest with every data file ``n`` called ``name(n)``."""

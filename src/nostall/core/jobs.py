@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from nostall.core.faults import Faults
 from nostall.core.format import FileRecord, Manifest, Placed
@@ -45,6 +45,10 @@ Crcs = Dict[Tuple[str, int, int], Tuple[int, ...]]
 """(file, start, end) -> block checksums of that piece."""
 PlannedPiece = Tuple[str, int, int]
 """A piece as the plan lays it out: (file, start, end)."""
+PieceWhat = Tuple[str, int, Tuple[int, ...], Tuple[int, ...]]
+"""What a planned piece is: (key, the rank whose per-rank tensor it is or -1 for a tensor saved once for all
+ranks, global offset, shape). The commit builds the manifest's piece
+records from these (:meth:`~nostall.core.format.Manifest.with_pieces`)."""
 PieceId = Tuple[str, str, str, Tuple[int, ...]]
 """What makes a piece the same piece from one save to the next: (planned file, its safetensors entry name,
 dtype, shape)."""
@@ -100,6 +104,8 @@ class FileJob:
     size: int
     header_size: int
     pieces: Tuple[Tuple[int, int], ...]  # (start, end) within the file, in order
+    what: Tuple[PieceWhat, ...] = ()  # beside each piece: what it is (its done record's entries; a solo save's
+    # are filled in by solo.save_solo)
 
 
 @dataclass
@@ -153,19 +159,40 @@ class SaveJob:
 class Done:
     """A rank's done record: where its pieces are (with their checksums) and its files, or why it failed.
 
-    Names are as the manifest gives them (stored names on object storage).
+    Names are as the manifest gives them (stored names on object storage). ``what``: beside each placed
+    piece, what it is (key, per-rank, offset, shape), from which the commit assembles the manifest's piece
+    records; ``rank``: whose record it is.
     """
 
     ok: bool
     placed: Dict[PlannedPiece, Placed] = field(default_factory=dict)
     files: Dict[str, FileRecord] = field(default_factory=dict)
     error: str = ""
+    rank: int = -1
+    what: Dict[PlannedPiece, List[PieceWhat]] = field(default_factory=dict)  # several: empty pieces at one place
+
+    def pieces(self, own_only: bool = True) -> Iterator[Tuple[int, str, int, Tuple[int, ...], Tuple[int, ...], Placed]]:
+        """Each placed piece as :meth:`~nostall.core.format.Manifest.with_pieces` takes it: (rank, key,
+        per-rank record's rank or -1, offset, shape, where it is). Raises ValueError naming the rank when a
+        placed piece is not said what it is, or (``own_only``: a rank writes only its own per-rank tensors)
+        is another rank's per-rank tensor."""
+        what = self.what
+        for k, w in self.placed.items():
+            gots = what.get(k)
+            if not gots:
+                raise ValueError(f"rank {self.rank}: its done record places bytes [{k[1]}, {k[2]}) of {k[0]} but "
+                                 "does not say which piece they are")
+            for got in gots:
+                if own_only and got[1] >= 0 and got[1] != self.rank:
+                    raise ValueError(f"rank {self.rank} wrote per-rank tensor {got[0]!r} of rank {got[1]}")
+                yield (self.rank, got[0], got[1], got[2], got[3], w)
 
     def to_doc(self) -> Dict[str, Any]:
         if not self.ok:
             return {"ok": False, "error": self.error}
-        return {"ok": True,
-                "placed": [[n, s, e, w.file, w.start, w.end, list(w.crc32c), w.digest]
+        return {"ok": True, "rank": self.rank,
+                "placed": [[n, s, e, w.file, w.start, w.end, list(w.crc32c), w.digest,
+                            [[k, r, list(o), list(z)] for k, r, o, z in self.what.get((n, s, e), ())]]
                            for (n, s, e), w in self.placed.items()],
                 "files": [[f.name, f.rank, f.size] for f in self.files.values()]}
 
@@ -175,10 +202,15 @@ class Done:
             return cls(False, error=f"unreadable done record {str(doc)[:200]!r}")
         if not doc["ok"]:
             return cls(False, error=str(doc.get("error") or "unknown error"))
-        placed = {(str(n), int(s), int(e)): Placed(str(f), int(a), int(b), tuple(int(x) for x in c), str(d))
-                  for n, s, e, f, a, b, c, d in doc["placed"]}
+        placed = {}
+        what: Dict[PlannedPiece, List[PieceWhat]] = {}
+        for n, s, e, f, a, b, c, d, ws in doc["placed"]:
+            k = (str(n), int(s), int(e))
+            placed[k] = Placed(str(f), int(a), int(b), tuple(int(x) for x in c), str(d))
+            what[k] = [(str(key), int(of), tuple(int(x) for x in off), tuple(int(x) for x in shp))
+                       for key, of, off, shp in ws]
         files = {str(n): FileRecord(str(n), int(r), int(z)) for n, r, z in doc["files"]}
-        return cls(True, placed, files)
+        return cls(True, placed, files, rank=int(doc.get("rank", -1)), what=what)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 from nostall.core.boxes import box_str, cover_problem
 from nostall.errors import InvalidStateError
 from nostall.core.dtypes import dtype_code
+from nostall.core.jobs import FileJob
 from nostall.core.format import data_file_name, gc_paused, itemsize, layout_entries, quick_tiles
 from nostall.core.model import FlatState, numel
 
@@ -190,6 +191,7 @@ class WriteItem:
     file: str
     start: int
     end: int
+    shape: Shape = ()  # the piece's shape (with ``offset``, its box: the commit's manifest record)
 
 
 @dataclass(frozen=True)
@@ -263,11 +265,18 @@ def _piece_plan(offset: Shape, shape: Shape, owner: int, file: str, start: int, 
     return p
 
 
-def _write_item(key: str, per_rank: bool, offset: Shape, file: str, start: int, end: int) -> WriteItem:
+def _write_item(key: str, per_rank: bool, offset: Shape, file: str, start: int, end: int, shape: Shape) -> WriteItem:
     """``WriteItem(...)``, built as :func:`_piece_plan` builds a PiecePlan."""
     w = _new(WriteItem)
-    w.__dict__.update(key=key, per_rank=per_rank, offset=offset, file=file, start=start, end=end)
+    w.__dict__.update(key=key, per_rank=per_rank, offset=offset, file=file, start=start, end=end, shape=shape)
     return w
+
+
+def file_job(f: FilePlan, area_offset: int = 0) -> FileJob:
+    """The writer's job for the planned file ``f`` (lying at ``area_offset`` in the staging area): its
+    pieces' byte ranges, and what each is (key, per-rank, offset, shape: its done record's entries)."""
+    return FileJob(f.name, area_offset, f.size, len(f.header), tuple((it.start, it.end) for it in f.items),
+                   tuple((it.key, f.rank if it.per_rank else -1, it.offset, it.shape) for it in f.items))
 
 
 def _group(metas: Sequence[RankMeta]) -> Dict[str, Tuple[Sequence[int], Sequence[TensorMeta]]]:
@@ -490,8 +499,8 @@ def lay_out_file(rank: int, world: int, entries: Sequence[_Entry],
                                                         "world_size": str(world)})
     except ValueError as err:
         raise InvalidStateError(f"rank {rank}: {err}") from None
-    its = [_write_item(key, per_rank, off, name, start, end)
-           for (key, per_rank, off), (start, end) in zip(items, ranges)]
+    its = [_write_item(key, per_rank, off, name, start, end, ent[2])
+           for (key, per_rank, off), (start, end), ent in zip(items, ranges, entries)]
     its.sort(key=_START)
     return FilePlan(name, rank, header, size, tuple(its)), ranges
 

@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from nostall.planning.plan import FilePlan, WriteItem
+from nostall.planning.plan import FilePlan, WriteItem, file_job
 from nostall.core.jobs import FileJob, Segment
 
 log = logging.getLogger("nostall")
@@ -269,8 +269,7 @@ class StagingArea:
         """
         offsets, total = layout(files)
         self.ensure(total, cap)
-        jobs = tuple(FileJob(f.name, pos, f.size, len(f.header), tuple((i.start, i.end) for i in f.items))
-                     for f, pos in zip(files, offsets))
+        jobs = tuple(file_job(f, pos) for f, pos in zip(files, offsets))
         area = self.tensor
         for f, pos in zip(files, offsets):
             area[pos : pos + len(f.header)].copy_(torch.frombuffer(bytearray(f.header), dtype=torch.uint8))

@@ -22,6 +22,7 @@ This module does not import torch (it runs in the writer process).
 from __future__ import annotations
 
 import logging
+import itertools
 import time
 from dataclasses import replace
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -29,8 +30,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from nostall.core.faults import crash_point
 from nostall.errors import CheckpointSaveError, describe
 from nostall.saving.datafiles import History, Writer
-from nostall.core.format import FileRecord, Placed
-from nostall.core.jobs import Done, JobResult, Outcome, PlannedPiece, SaveJob, Written
+from nostall.core.format import FileRecord
+from nostall.core.jobs import Done, JobResult, Outcome, PieceWhat, PlannedPiece, SaveJob, Written
 from nostall.saving import side_files
 
 log = logging.getLogger("nostall")
@@ -154,12 +155,12 @@ def _manifest(job: SaveJob, dones: Iterable[Done]) -> Tuple[bytes, Dict[str, Fil
     """The manifest ``job`` commits, from every rank's done record, and every data file it names
     (own ones, and ``<checkpoint>/<file>`` of earlier checkpoints)."""
     assert job.manifest is not None
-    placed: Dict[PlannedPiece, Placed] = {}
+    dones = list(dones)
     files: Dict[str, FileRecord] = {}
     for d in dones:
-        placed.update(d.placed)
         files.update(d.files)
-    return job.manifest.with_placed(placed, files).to_json_bytes(), files
+    pieces = itertools.chain.from_iterable(d.pieces(own_only=job.world_size > 1) for d in dones)
+    return job.manifest.with_pieces(pieces, files).to_json_bytes(), files
 
 
 def commit(job: SaveJob, dones: Iterable[Done]) -> None:
@@ -327,9 +328,15 @@ def _write_part(job: SaveJob, write: Writer, barrier: Barrier, history: Optional
         def stored(n: str) -> str:  # own files by their stored names; earlier checkpoints' as they are
             return n if "/" in n else root.data_name(dest, n)
 
-        # keyed by the planned pieces (as the manifest skeleton has them), placed in the stored files
+        # keyed by the planned pieces, placed in the stored files; beside each, what it is (the manifest's
+        # piece records are assembled from these at the commit, Manifest.with_pieces)
+        what: Dict[PlannedPiece, List[PieceWhat]] = {}
+        for f in job.files:
+            for (s, e), w in zip(f.pieces, f.what):
+                what.setdefault((f.name, s, e), []).append(w)
         return Done(True, {k: replace(p, file=stored(p.file)) for k, p in written.placed.items()},
-                    {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()}), written
+                    {stored(n): replace(f, name=stored(n)) for n, f in written.files.items()}, rank=job.rank,
+                    what={k: what[k] for k in written.placed if k in what}), written
     except Exception as e:
         mine = Done(False, error=f"rank {job.rank}: writing step {job.step}: {describe(e)}")
         log.error("%s", mine.error)

@@ -45,13 +45,13 @@ from nostall.saving.background import BackgroundWriter
 from nostall.saving.commit import Barrier, run_job
 from nostall.saving.datafiles import History, write_files
 from nostall.errors import CheckpointError, CheckpointSaveError, CheckpointTimeoutError, InvalidStateError, describe
-from nostall.core.format import FileRecord, Manifest, PieceRecord, RankRecord, TensorRecord, data_file_name, gc_paused
+from nostall.core.format import FileRecord, Manifest, RankRecord, TensorRecord, data_file_name, gc_paused
 from nostall.handles import SaveStats
 from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, SaveJob
 from nostall.core.model import FlatState, flatten
 from nostall.options import Options
 from nostall.saving.side_files import SideFiles
-from nostall.planning.plan import FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, local_meta
+from nostall.planning.plan import file_job, FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, local_meta
 from nostall.planning.rounds import Report, Rounds
 from nostall.saving.area import cut_chunks, layout
 
@@ -66,8 +66,7 @@ def source_tensor(flat: FlatState, item: WriteItem) -> torch.Tensor:
 
 
 def _file_jobs(files: Sequence[FilePlan], offsets: Optional[Sequence[int]] = None) -> Tuple[FileJob, ...]:
-    return tuple(FileJob(f.name, offsets[i] if offsets else 0, f.size, len(f.header),
-                         tuple((it.start, it.end) for it in f.items)) for i, f in enumerate(files))
+    return tuple(file_job(f, offsets[i] if offsets else 0) for i, f in enumerate(files))
 
 
 class CollectiveBarrier(Barrier):
@@ -398,7 +397,7 @@ class Saver:
         manifest = None
         if self.comm.rank == 0:
             root = dest.root
-            # data files keep their planned names here: the commit names them as stored (Manifest.with_placed)
+            # no pieces here: the commit assembles them from the done records (Manifest.with_pieces)
             assert p.plan is not None
             if self._records is None or self._records[0] is not p.plan:
                 self._records = (p.plan, tensor_records(p.plan))
@@ -581,15 +580,15 @@ def _tensor_parts(fp: FilePlan, flat: FlatState) -> Iterator[Tuple[int, memoryvi
 
 
 Records = Tuple[Dict[str, TensorRecord], List[Dict[str, TensorRecord]]]
-"""A plan's tensor records without checksums: global, and per rank."""
+"""A plan's tensor records without pieces (their headers): global, and per rank."""
 
 
 def tensor_records(plan: SavePlan) -> Records:
-    """The tensor records of ``plan`` (a manifest's bulk), without checksums."""
+    """The tensor records of ``plan`` without pieces: O(keys). The commit puts in each record's pieces from
+    the ranks' done records (:meth:`~nostall.core.format.Manifest.with_pieces`)."""
 
     def record(tp: TensorPlan) -> TensorRecord:
-        pieces = tuple(PieceRecord(p.offset, p.shape, p.file, p.start, p.end, ()) for p in tp.pieces)
-        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, pieces, tp.tied_to)
+        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, (), tp.tied_to)
 
     return ({k: record(t) for k, t in plan.tensors.items()},
             [{k: record(t) for k, t in plan.per_rank[r].items()} for r in range(plan.world_size)])
@@ -599,7 +598,7 @@ def manifest_skeleton(
     plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
     block_size: int, records: Optional[Records] = None,
 ) -> Manifest:
-    """The manifest of a plan, without checksums (filled in by ``Manifest.with_placed``).
+    """The manifest of a plan without pieces (the commit assembles them, ``Manifest.with_pieces``).
 
     ``records``: the plan's :func:`tensor_records`, when the caller keeps them (a cached plan's saves).
     """

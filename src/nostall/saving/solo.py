@@ -15,9 +15,11 @@ The phases, and who does what:
    :class:`~nostall.core.jobs.Destination` for them
    (:func:`solo_destination`: never moves ``latest``, no retention), lays out
    the data files (:class:`~nostall.core.jobs.FileJob`) and builds the
-   manifest skeleton (every piece where it is planned, under the planned file
-   names; the commit puts in the stored names and the checksums from what
-   was written, :meth:`~nostall.core.format.Manifest.with_placed`);
+   manifest (every piece where it is planned, under the planned file names;
+   the job gets its skeleton, and each planned piece's key and box beside its
+   byte range: the commit assembles the piece records, with the stored names
+   and the checksums, from what was written, as for a save,
+   :meth:`~nostall.core.format.Manifest.with_pieces`);
 2. :func:`save_solo`: the root makes the save's staging (beside the
    checkpoint, or a local scratch directory on object storage); then
    :func:`~nostall.saving.commit.run_job` with
@@ -40,10 +42,11 @@ This module does not import torch.
 from __future__ import annotations
 
 import uuid
-from typing import List, Optional, Sequence, Tuple, Type
+from dataclasses import replace
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 from nostall.core.format import Manifest
-from nostall.core.jobs import Destination, FileJob, SaveJob, Written
+from nostall.core.jobs import Destination, FileJob, PieceWhat, SaveJob, Written
 from nostall.errors import CheckpointError, CheckpointSaveError, describe
 from nostall.saving.commit import SoloBarrier, run_job
 from nostall.saving.datafiles import Base, Writer
@@ -60,6 +63,32 @@ def solo_destination(root: Root, name: str, step: Optional[int] = None, *, tagge
     moved, no retention. ``tagged``: the data files' names carry the save id (needed when the save
     replaces a checkpoint, so that no name is one the replaced checkpoint used; always on object storage)."""
     return Destination(root, name, step, uuid.uuid4().hex, move_latest=False, keep_last=None, tagged=tagged)
+
+
+def _with_what(manifest: Manifest, files: Sequence[FileJob]) -> Tuple[FileJob, ...]:
+    """``files`` with what each piece is, from where ``manifest`` plans it: the commit assembles the
+    manifest's piece records from the done record, as for a save (:meth:`Manifest.with_pieces`)."""
+    what: Dict[Tuple[str, int, int], List[PieceWhat]] = {}  # several: empty pieces at one place
+    records = [(t, -1) for t in manifest.tensors.values()]
+    records += [(t, r) for r, rec in enumerate(manifest.per_rank) for t in rec.tensors.values()]
+    for t, of in records:
+        if t.tied_to:
+            continue  # its pieces are those of the key it is tied to
+        for p in t.pieces:
+            what.setdefault((p.file, p.start, p.end), []).append((t.key, of, p.offset, p.shape))
+    out = []
+    for f in files:
+        ranges: List[Tuple[int, int]] = []
+        got: List[PieceWhat] = []
+        for s, e in dict.fromkeys(f.pieces):  # each range once, with every piece laid out there
+            ws = what.get((f.name, s, e))
+            if not ws:
+                raise CheckpointSaveError(f"{f.name}: bytes [{s}, {e}) are laid out for no piece of the manifest "
+                                          "(a bug of the caller's layout)")
+            ranges += [(s, e)] * len(ws)
+            got += ws
+        out.append(replace(f, pieces=tuple(ranges), what=tuple(got)))
+    return tuple(out)
 
 
 def save_solo(dst: str, dest: Destination, manifest: Manifest, files: Sequence[FileJob], write: Writer, *,
@@ -91,8 +120,8 @@ def save_solo(dst: str, dest: Destination, manifest: Manifest, files: Sequence[F
             failure.append(e)
             raise
 
-    job = SaveJob(dest, 0, 1, tuple(files), manifest.block_size, timeout=SOLO_TIMEOUT_S, manifest=manifest,
-                  side_files=tuple(side_files))
+    job = SaveJob(dest, 0, 1, _with_what(manifest, files), manifest.block_size, timeout=SOLO_TIMEOUT_S,
+                  manifest=manifest.without_pieces(), side_files=tuple(side_files))
     result = run_job(job, recorded, SoloBarrier())  # aborts on failure: nothing committed, the staging removed
     if not result.ok:
         if failure and isinstance(failure[0], keep_errors):

@@ -89,12 +89,14 @@ def digests_message(meta: Any, copies: Sequence[int], crc: int) -> Dict[str, int
 
 def done_record(plan: Any, rank: int, block_size: int, crc: int) -> Done:
     """The done record ``rank`` reports once it wrote its files of ``plan`` (checksum values ``crc``)."""
-    d = Done(True)
+    d = Done(True, rank=rank)
     for f in plan.files_of(rank):
         d.files[f.name] = FileRecord(f.name, rank, f.size)
         for it in f.items:
             blocks = max(0, -(-(it.end - it.start) // block_size))
             d.placed[(f.name, it.start, it.end)] = Placed(f.name, it.start, it.end, (crc,) * blocks, DIGEST)
+            d.what.setdefault((f.name, it.start, it.end), []).append(
+                (it.key, rank if it.per_rank else -1, it.offset, it.shape))
     return d
 
 

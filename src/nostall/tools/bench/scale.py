@@ -130,11 +130,8 @@ def _synthetic_manifest(plan: Any, block_size: int) -> Tuple[Dict[str, float], A
 
     per_rank_objects = [exchange.per_rank_objects(r) for r in range(plan.world_size)]
     t_skel, skel = _timed(manifest_skeleton, plan, exchange.objects(), per_rank_objects, 1, block_size)
-    crcs = {}
-    for t in list(plan.tensors.values()) + [t for d in plan.per_rank for t in d.values()]:
-        for p in t.pieces:
-            crcs[(p.file, p.start, p.end)] = [CRC_SAMPLE] * max(0, -(-(p.end - p.start) // block_size))
-    t_crc, m = _timed(skel.with_crcs, crcs)
+    pieces, files = _written(plan, lambda f, s, e: [CRC_SAMPLE] * max(0, -(-(e - s) // block_size)))
+    t_crc, m = _timed(skel.with_pieces, pieces, files)
     t_enc, raw = _timed(m.to_json_bytes)
     return {"skeleton_s": t_skel, "with_crcs_s": t_crc, "encode_s": t_enc}, raw
 
@@ -613,6 +610,17 @@ def bench_moe(ranks: int, tensors_list: Sequence[int], kib: Tuple[float, float],
 # --------------------------------------------------------------------------- resharded loads as pieces grow
 
 
+def _written(plan: Any, crcs: Callable[[str, int, int], Sequence[int]]) -> Tuple[List[Any], Dict[str, Any]]:
+    """Every piece of ``plan`` as the done records report it once written in place (``crcs(file, start,
+    end)``: its checksums), and the files: what ``Manifest.with_pieces`` assembles the manifest from."""
+    from nostall.core.format import FileRecord, Placed
+
+    pieces = [(f.rank, it.key, f.rank if it.per_rank else -1, it.offset, it.shape,
+               Placed(f.name, it.start, it.end, tuple(crcs(f.name, it.start, it.end))))
+              for f in plan.files.values() for it in f.items]
+    return pieces, {n: FileRecord(n, f.rank, f.size) for n, f in plan.files.items()}
+
+
 def write_pieces_checkpoint(path: str, tensors: Dict[str, Any], pieces: int, block_size: int) -> Dict[str, Any]:
     """Write, at ``path``, the checkpoint ``pieces`` ranks would save holding ``pieces`` row blocks of
     every tensor: planned by :func:`~nostall.planning.plan.build_plan` from their metadata, files laid out by
@@ -645,7 +653,8 @@ def write_pieces_checkpoint(path: str, tensors: Dict[str, Any], pieces: int, blo
                 assert out.tell() == it.start and len(data) == it.end - it.start
                 out.write(data)
                 crcs[(f.name, it.start, it.end)] = block_crcs(data, block_size)
-    m = manifest_skeleton(plan, {}, [{} for _ in range(pieces)], None, block_size).with_crcs(crcs)
+    m = manifest_skeleton(plan, {}, [{} for _ in range(pieces)], None, block_size).with_pieces(
+        *_written(plan, lambda f, s, e: crcs[(f, s, e)]))
     with open(os.path.join(path, MANIFEST_NAME), "wb") as out:
         out.write(m.to_json_bytes())
     return {"plan": plan}
