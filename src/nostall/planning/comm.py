@@ -54,6 +54,12 @@ class Comm:
         assert objs is not None
         return objs[0]
 
+    def exchange(self, objs: Sequence[Any]) -> List[Any]:
+        """All-to-all of objects: ``objs[r]`` goes to rank ``r``; returns what each rank sent this one
+        (a list in rank order). What a rank sends and receives follows its own messages, not the job's."""
+        assert len(objs) == self.size
+        return [objs[0]]
+
     def receive(self, into: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving ``into`` (a uint8 CPU tensor) from rank ``src``; :meth:`wait` for the handle."""
         raise CheckpointError("a world of one has no other rank to receive from")
@@ -409,6 +415,31 @@ class _TorchComm(Comm):
             return objs[0]
 
         return self._call("scatter", run)
+
+    def exchange(self, objs: Sequence[Any]) -> List[Any]:
+        """``objs[r]`` to each rank ``r``, and what each rank sent this one: two all-to-alls (the pickles'
+        lengths, then their bytes), bounded like every collective of the group."""
+
+        def run() -> List[Any]:
+            g = self.group
+            assert len(objs) == self.size
+            data = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+            sizes = torch.tensor([len(d) for d in data], dtype=torch.int64)
+            got = torch.empty(self.size, dtype=torch.int64)
+            self._wait(g.alltoall_base(got, sizes, [], [], dist.AllToAllOptions()))
+            n = [int(x) for x in got.tolist()]
+            out = torch.empty(sum(n), dtype=torch.uint8)
+            self._wait(g.alltoall_base(out, _bytes_tensor(b"".join(data)), n, [len(d) for d in data],
+                                       dist.AllToAllOptions()))
+            raw = out.numpy().tobytes()
+            res: List[Any] = []
+            pos = 0
+            for k in n:
+                res.append(pickle.loads(raw[pos : pos + k]))
+                pos += k
+            return res
+
+        return self._call("exchange", run)
 
     def receive(self, into: torch.Tensor, src: int, tag: int) -> Any:
         return self._call("receive", lambda: self.group.recv([into], src, tag))

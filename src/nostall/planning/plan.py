@@ -239,6 +239,27 @@ class SavePlan:
         return {n: f.size for n, f in self.files.items()}
 
 
+@dataclass
+class Layout:
+    """What rank 0 keeps of a plan for the manifest's skeleton: O(keys + ranks), no piece.
+
+    Gathered from the planners (their keys' headers) and the ranks (their per-rank tensors, their
+    files' sizes) by :mod:`nostall.planning.rounds`; :func:`layout_of` gives a whole plan's.
+    """
+
+    world_size: int
+    tensors: Dict[str, Tuple[str, Shape, bool, str]]  # key -> (dtype code, global shape, sharded, tied to)
+    per_rank: List[Tuple[Tuple[str, str, Shape], ...]]  # each rank's per-rank tensors (key, dtype code, shape)
+    files: Dict[str, Tuple[int, int]]  # data file -> (rank, size)
+
+
+def layout_of(plan: SavePlan) -> Layout:
+    """The :class:`Layout` of a whole ``plan`` (:func:`build_plan`)."""
+    return Layout(plan.world_size, {k: (t.dtype, t.shape, t.sharded, t.tied_to) for k, t in plan.tensors.items()},
+                  [tuple((k, t.dtype, t.shape) for k, t in d.items()) for d in plan.per_rank],
+                  {n: (f.rank, f.size) for n, f in plan.files.items()})
+
+
 _KEY = attrgetter("key")
 _HEAD = attrgetter("sharded", "dtype", "global_shape")
 _BOX = attrgetter("offset", "shape")
@@ -373,12 +394,19 @@ def _key_pieces(key: str, ranks: Sequence[int], ts: Sequence[TensorMeta], tied: 
 
 
 def _owners(metas: Sequence[RankMeta], pieces: List[_Piece]) -> Tuple[List[int], List[int]]:
-    """(owner, bytes) of every piece: fixed pieces first, then largest first to the least loaded holder."""
-    world = len(metas)
-    load = [0] * world
+    """(owner, bytes) of every piece: fixed pieces first, then largest first to the least loaded holder
+    (each rank's load starting at its per-rank tensors' bytes)."""
+    load = [0] * len(metas)
     for r, m in enumerate(metas):
         for _k, code, shape in m.per_rank:
             load[r] += numel(shape) * itemsize(code)
+    return _assign(len(metas), load, pieces, 0)
+
+
+def _assign(world: int, load: List[int], pieces: List[_Piece], shift: int) -> Tuple[List[int], List[int]]:
+    """(owner, bytes) of every piece from the ranks' ``load`` so far (updated): pieces with one holder go
+    to it, the others largest first to the least loaded holder, ties broken by the first at or after
+    ``(index + shift) % world`` (a planner's ``shift`` is its rank: planners do not all pick the lowest)."""
     size_of: Dict[Tuple[Shape, str], int] = {}
     sizes: List[int] = []
     owners: List[int] = []
@@ -397,15 +425,15 @@ def _owners(metas: Sequence[RankMeta], pieces: List[_Piece]) -> Tuple[List[int],
     flexible.sort()
     for neg, idx in flexible:
         holders = pieces[idx][4]
-        # min(holders, key=lambda r: (load[r], (r - idx) % world)): among the least loaded holders (sorted),
-        # the first at or after idx % world, else the first
+        # min(holders, key=lambda r: (load[r], (r - idx - shift) % world)): among the least loaded holders
+        # (sorted), the first at or after (idx + shift) % world, else the first
         loads = list(map(load.__getitem__, holders))
         least = min(loads)
         if loads.count(least) == 1:
             owner = holders[loads.index(least)]
         else:
             cands = [r for r, x in zip(holders, loads) if x == least]
-            i = bisect.bisect_left(cands, idx % world)
+            i = bisect.bisect_left(cands, (idx + shift) % world)
             owner = cands[i] if i < len(cands) else cands[0]
         owners[idx] = owner
         load[owner] -= neg

@@ -51,7 +51,7 @@ from nostall.core.jobs import Destination, Done, FileJob, JobResult, Outcome, Sa
 from nostall.core.model import FlatState, flatten
 from nostall.options import Options
 from nostall.saving.side_files import SideFiles
-from nostall.planning.plan import file_job, FilePlan, RankPlan, SavePlan, TensorPlan, WriteItem, local_meta
+from nostall.planning.plan import file_job, FilePlan, Layout, RankPlan, WriteItem, local_meta
 from nostall.planning.rounds import Report, Rounds
 from nostall.saving.area import cut_chunks, layout
 
@@ -123,7 +123,7 @@ class Prepared:
     dest: Destination
     flat: FlatState
     mine: RankPlan  # this rank's share of the plan
-    plan: Optional[SavePlan]  # rank 0: the whole plan
+    layout: Optional[Layout]  # rank 0: the plan's headers and files (the manifest's skeleton)
     objects: Dict[str, Any]  # rank 0: merged from every rank
     per_rank_objects: List[Dict[str, Any]]  # rank 0: every rank's
     cached: bool
@@ -307,7 +307,7 @@ class Saver:
         self._history = History()  # synchronous saves' memory of this rank's last committed save (incremental)
         self._base: Tuple[str, str] = ("", "")  # (save id, checkpoint name) of the last committed incremental save
         self._chain = 0  # saves in the current chain (Options.full_every)
-        self._records: Optional[Tuple[SavePlan, Records]] = None  # rank 0: the cached plan's tensor records
+        self._records: Optional[Tuple[Layout, Records]] = None  # rank 0: the cached plan's tensor records
         self._last_records: Optional[Destination] = None  # the last async save (the next job drops its records)
         self.root_locked = False  # rank 0's writer holds the root's lock (set at the root's claim: SaveJob.root_locked)
 
@@ -388,7 +388,7 @@ class Saver:
         assert flat is not None and agreed is not None
         if dest is None:  # planning only
             dest = Destination(None, "", step, "")
-        return None, Prepared(replace(dest, save_id=agreed.save_id), flat, agreed.mine, agreed.plan, agreed.objects,
+        return None, Prepared(replace(dest, save_id=agreed.save_id), flat, agreed.mine, agreed.layout, agreed.objects,
                               agreed.per_rank_objects, agreed.cached, t0, time.perf_counter())
 
     def _job(self, p: Prepared, files: Tuple[FileJob, ...]) -> SaveJob:
@@ -398,10 +398,10 @@ class Saver:
         if self.comm.rank == 0:
             root = dest.root
             # no pieces here: the commit assembles them from the done records (Manifest.with_pieces)
-            assert p.plan is not None
-            if self._records is None or self._records[0] is not p.plan:
-                self._records = (p.plan, tensor_records(p.plan))
-            manifest = replace(manifest_skeleton(p.plan, p.objects, p.per_rank_objects, p.step,
+            assert p.layout is not None
+            if self._records is None or self._records[0] is not p.layout:
+                self._records = (p.layout, tensor_records(p.layout))
+            manifest = replace(manifest_skeleton(p.layout, p.objects, p.per_rank_objects, p.step,
                                                  self.options.block_size, self._records[1]),
                                side_files={n: replace(r, stored="" if root.data_name(dest, n) == n
                                                       else root.data_name(dest, n))
@@ -583,32 +583,30 @@ Records = Tuple[Dict[str, TensorRecord], List[Dict[str, TensorRecord]]]
 """A plan's tensor records without pieces (their headers): global, and per rank."""
 
 
-def tensor_records(plan: SavePlan) -> Records:
-    """The tensor records of ``plan`` without pieces: O(keys). The commit puts in each record's pieces from
-    the ranks' done records (:meth:`~nostall.core.format.Manifest.with_pieces`)."""
-
-    def record(tp: TensorPlan) -> TensorRecord:
-        return TensorRecord(tp.key, tp.dtype, tp.shape, tp.sharded, (), tp.tied_to)
-
-    return ({k: record(t) for k, t in plan.tensors.items()},
-            [{k: record(t) for k, t in plan.per_rank[r].items()} for r in range(plan.world_size)])
+def tensor_records(layout: Layout) -> Records:
+    """The tensor records of a plan's ``layout`` without pieces: O(keys). The commit puts in each record's
+    pieces from the ranks' done records (:meth:`~nostall.core.format.Manifest.with_pieces`)."""
+    tensors = {k: TensorRecord(k, dtype, shape, sharded, (), tied)
+               for k, (dtype, shape, sharded, tied) in layout.tensors.items()}
+    return (tensors, [{k: TensorRecord(k, code, shape, False, ()) for k, code, shape in layout.per_rank[r]}
+                      for r in range(layout.world_size)])
 
 
 def manifest_skeleton(
-    plan: SavePlan, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
+    layout: Layout, objects: Dict[str, Any], per_rank_objects: Sequence[Dict[str, Any]], step: Optional[int],
     block_size: int, records: Optional[Records] = None,
 ) -> Manifest:
     """The manifest of a plan without pieces (the commit assembles them, ``Manifest.with_pieces``).
 
-    ``records``: the plan's :func:`tensor_records`, when the caller keeps them (a cached plan's saves).
+    ``records``: the layout's :func:`tensor_records`, when the caller keeps them (a cached plan's saves).
     """
-    tensors, per_rank = records if records is not None else tensor_records(plan)
+    tensors, per_rank = records if records is not None else tensor_records(layout)
     return Manifest(
         step=step,
-        world_size=plan.world_size,
+        world_size=layout.world_size,
         block_size=block_size,
-        files={n: FileRecord(n, f.rank, f.size) for n, f in plan.files.items()},
+        files={n: FileRecord(n, r, size) for n, (r, size) in layout.files.items()},
         tensors=tensors,
         objects=objects,
-        per_rank=tuple(RankRecord(per_rank[r], dict(per_rank_objects[r])) for r in range(plan.world_size)),
+        per_rank=tuple(RankRecord(per_rank[r], dict(per_rank_objects[r])) for r in range(layout.world_size)),
     )

@@ -126,10 +126,11 @@ def distinct_pieces(metas: Sequence[Any]) -> int:
 
 def _synthetic_manifest(plan: Any, block_size: int) -> Tuple[Dict[str, float], Any]:
     """Times of the skeleton, checksums filled in, JSON encode; and the manifest."""
+    from nostall.planning.plan import layout_of
     from nostall.saving.saver import manifest_skeleton
 
     per_rank_objects = [exchange.per_rank_objects(r) for r in range(plan.world_size)]
-    t_skel, skel = _timed(manifest_skeleton, plan, exchange.objects(), per_rank_objects, 1, block_size)
+    t_skel, skel = _timed(manifest_skeleton, layout_of(plan), exchange.objects(), per_rank_objects, 1, block_size)
     pieces, files = _written(plan, lambda f, s, e: [CRC_SAMPLE] * max(0, -(-(e - s) // block_size)))
     t_crc, m = _timed(skel.with_pieces, pieces, files)
     t_enc, raw = _timed(m.to_json_bytes)
@@ -628,7 +629,7 @@ def write_pieces_checkpoint(path: str, tensors: Dict[str, Any], pieces: int, blo
     from nostall.core.dtypes import dtype_code
     from nostall.core.tensorbuf import byte_view
     from nostall.core.format import MANIFEST_NAME, block_crcs
-    from nostall.planning.plan import RankMeta, TensorMeta, build_plan
+    from nostall.planning.plan import RankMeta, TensorMeta, build_plan, layout_of
     from nostall.saving.saver import manifest_skeleton
 
     metas = []
@@ -653,7 +654,7 @@ def write_pieces_checkpoint(path: str, tensors: Dict[str, Any], pieces: int, blo
                 assert out.tell() == it.start and len(data) == it.end - it.start
                 out.write(data)
                 crcs[(f.name, it.start, it.end)] = block_crcs(data, block_size)
-    m = manifest_skeleton(plan, {}, [{} for _ in range(pieces)], None, block_size).with_pieces(
+    m = manifest_skeleton(layout_of(plan), {}, [{} for _ in range(pieces)], None, block_size).with_pieces(
         *_written(plan, lambda f, s, e: crcs[(f, s, e)]))
     with open(os.path.join(path, MANIFEST_NAME), "wb") as out:
         out.write(m.to_json_bytes())
