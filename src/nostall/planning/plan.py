@@ -322,7 +322,7 @@ def _group(metas: Sequence[RankMeta]) -> Dict[str, Tuple[Sequence[int], Sequence
     return by_key  # type: ignore[return-value]
 
 
-def _check_headers(key: str, ranks: Sequence[int], ts: Sequence[TensorMeta]) -> None:
+def check_headers(key: str, ranks: Sequence[int], ts: Sequence[TensorMeta]) -> None:
     """Every holder of ``key`` agrees on sharding, dtype and global shape (else the first disagreement)."""
     if len(ts) < 2 or len(set(map(_HEAD, ts))) == 1:
         return
@@ -350,7 +350,7 @@ def _cover(key: str, global_shape: Shape, boxes: List[Tuple[Shape, Shape]]) -> N
         raise InvalidStateError(f"key {key!r}: {problem}")
 
 
-def _key_pieces(key: str, ranks: Sequence[int], ts: Sequence[TensorMeta], tied: bool,
+def key_pieces(key: str, ranks: Sequence[int], ts: Sequence[TensorMeta], tied: bool,
                 pieces: List[_Piece]) -> None:
     """Validate the holders of one key and append its distinct pieces (sorted by box) to ``pieces``."""
     t0 = ts[0]
@@ -400,10 +400,10 @@ def _owners(metas: Sequence[RankMeta], pieces: List[_Piece]) -> Tuple[List[int],
     for r, m in enumerate(metas):
         for _k, code, shape in m.per_rank:
             load[r] += numel(shape) * itemsize(code)
-    return _assign(len(metas), load, pieces, 0)
+    return assign_owners(len(metas), load, pieces, 0)
 
 
-def _assign(world: int, load: List[int], pieces: List[_Piece], shift: int) -> Tuple[List[int], List[int]]:
+def assign_owners(world: int, load: List[int], pieces: List[_Piece], shift: int) -> Tuple[List[int], List[int]]:
     """(owner, bytes) of every piece from the ranks' ``load`` so far (updated): pieces with one holder go
     to it, the others largest first to the least loaded holder, ties broken by the first at or after
     ``(index + shift) % world`` (a planner's ``shift`` is its rank: planners do not all pick the lowest)."""
@@ -454,7 +454,7 @@ def _build_plan(metas: Sequence[RankMeta]) -> SavePlan:
     clash = sorted(per_rank_keys & set(by_key))
     if clash:
         raise InvalidStateError(f"key {clash[0]!r} is a PerRank value on some ranks and a tensor on others")
-    tied = _ties(by_key)
+    tied = ties_of(by_key)
     pieces, headers = _pieces(by_key, tied)
     owners, sizes = _owners(metas, pieces)
     entries_of, index_of = _file_entries(metas, pieces, owners, sizes, headers)
@@ -479,10 +479,10 @@ def _pieces(by_key: Mapping[str, Tuple[Sequence[int], Sequence[TensorMeta]]],
     headers: Dict[str, _Header] = {}
     for key in sorted(by_key):
         ranks, ts = by_key[key]
-        _check_headers(key, ranks, ts)
+        check_headers(key, ranks, ts)
         t0 = ts[0]
         headers[key] = (t0.dtype, t0.global_shape, t0.sharded)
-        _key_pieces(key, ranks, ts, key in tied, pieces)
+        key_pieces(key, ranks, ts, key in tied, pieces)
     return pieces, headers
 
 
@@ -628,7 +628,7 @@ def _per_rank_plans(metas: Sequence[RankMeta],
     return plans
 
 
-def _ties(by_key: Mapping[str, Tuple[Sequence[int], Sequence[TensorMeta]]]) -> Dict[str, str]:
+def ties_of(by_key: Mapping[str, Tuple[Sequence[int], Sequence[TensorMeta]]]) -> Dict[str, str]:
     """Keys saved as another key (tied weights): ``{B: A}``.
 
     B is tied to A only when every rank holding B says so, A is a tensor key no rank marks as tied,

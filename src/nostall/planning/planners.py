@@ -1,7 +1,7 @@
 """Planning split by key: each key saved once for all ranks is planned by one rank, its planner.
 
 The planner of a key is ``crc32(key) % world`` (:func:`planner_of`); when any
-rank ties keys (one memory under two keys, :func:`nostall.planning.plan._ties`),
+rank ties keys (one memory under two keys, :func:`nostall.planning.plan.ties_of`),
 every key goes to planner 0, so that tied keys are planned together (the same
 code, another routing). Each rank sends each planner the part of its metadata
 for that planner's keys (:func:`route`, one all-to-all); each planner validates
@@ -42,11 +42,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nostall.errors import InvalidStateError
 from nostall.planning import replicas
-from nostall.planning.plan import RankMeta, TensorMeta, _assign, _check_headers, _key_pieces, _new, _ties
+from nostall.planning.plan import RankMeta, TensorMeta, assign_owners, check_headers, key_pieces, ties_of
 
 __all__ = ["planner_of", "route", "plan_keys", "merge", "Planned", "Header"]
 
 Shape = Tuple[int, ...]
+_new = object.__new__
 Header = Tuple[str, Shape, bool, str]
 """A key's header as the manifest records it: (dtype code, global shape, sharded, tied to)."""
 _Error = Optional[Tuple[str, str]]  # (kind, message): raised alike on every rank
@@ -122,7 +123,7 @@ def plan_keys(parts: Sequence[Optional[bytes]], me: int) -> Planned:
     """Plan the keys of planner ``me`` from every rank's part (``parts[r]``, :func:`route`).
 
     The checks and rules of :func:`~nostall.planning.plan.build_plan`, on these keys alone; the
-    holders' tie-break is turned by ``me`` (:func:`~nostall.planning.plan._assign`). An invalid
+    holders' tie-break is turned by ``me`` (:func:`~nostall.planning.plan.assign_owners`). An invalid
     state becomes ``("state", message)`` naming the key and ranks.
     """
     world = len(parts)
@@ -147,15 +148,15 @@ def plan_keys(parts: Sequence[Optional[bytes]], me: int) -> Planned:
         clash = sorted(set(per_rank_keys) & set(by_key))
         if clash:
             raise InvalidStateError(f"key {clash[0]!r} is a PerRank value on some ranks and a tensor on others")
-        tied = _ties(by_key)
+        tied = ties_of(by_key)
         pieces: List[Any] = []
         for key in sorted(by_key):
             ranks, ts = by_key[key]
-            _check_headers(key, ranks, ts)
+            check_headers(key, ranks, ts)
             t0 = ts[0]
             out.headers[key] = (t0.dtype, t0.global_shape, t0.sharded, tied.get(key, ""))
-            _key_pieces(key, ranks, ts, key in tied, pieces)
-        owners, sizes = _assign(world, [0] * world, pieces, me)
+            key_pieces(key, ranks, ts, key in tied, pieces)
+        owners, sizes = assign_owners(world, [0] * world, pieces, me)
     except InvalidStateError as e:
         return Planned(("state", str(e)))
     owner = {(p[0], p[1], p[2]): o for p, o in zip(pieces, owners)}

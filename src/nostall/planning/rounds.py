@@ -119,7 +119,7 @@ class Rounds:
         option (None: on a new plan only); ``save_id``: rank 0's id for this save.
         """
         comm = self.comm
-        report.ties = report.ties or any(t.tied_to for t in meta.tensors)
+        report.ties = report.ties or (meta is not None and any(t.tied_to for t in meta.tensors))
         reports = comm.gather(report)
         answer: Any = None
         if comm.rank == 0:
