@@ -44,7 +44,7 @@ from nostall.errors import InvalidStateError
 from nostall.planning import replicas
 from nostall.planning.plan import RankMeta, TensorMeta, assign_owners, check_headers, key_pieces, ties_of
 
-__all__ = ["planner_of", "route", "plan_keys", "merge", "Planned", "Header"]
+__all__ = ["planner_of", "route", "plan_keys", "merge", "in_one_process", "Planned", "Header"]
 
 Shape = Tuple[int, ...]
 _new = object.__new__
@@ -190,3 +190,20 @@ def merge(index: Sequence[Sequence[int]], answers: Sequence[Optional[Tuple[bytes
             owned[i] = o
         copies.extend(idx[j] for j in got[1])
     return bytes(owned), tuple(sorted(copies))
+
+
+def in_one_process(metas: Sequence[RankMeta], central: Optional[bool] = None
+                   ) -> Tuple[List[Planned], List[Tuple[bytes, Tuple[int, ...]]]]:
+    """The metadata phase of every rank run in one process (tests, the benchmark): each planner's result,
+    and each rank's merged share (``owned``, copy indices). ``central``: None as the ranks decide (some
+    rank ties keys). Raises the first planner's error as :class:`~nostall.errors.InvalidStateError`."""
+    world = len(metas)
+    if central is None:
+        central = any(t.tied_to for m in metas for t in m.tensors)
+    routed = [route(m, world, central) for m in metas]
+    planned = [plan_keys([routed[r][0][p] for r in range(world)], p) for p in range(world)]
+    for p in planned:
+        if p.error is not None:
+            raise InvalidStateError(p.error[1])
+    shares = [merge(routed[r][1], [p.answers[r] for p in planned], len(m.tensors)) for r, m in enumerate(metas)]
+    return planned, shares
