@@ -378,8 +378,110 @@ def _planning_point(ranks: int, tensors: int, reps: int, measure: bool) -> Dict[
         "rank_pieces": own_pieces, "rank_bytes": own_bytes,
         "other": _other_rank(other, ranks, tensors, share_pickle, owned, reps),
         "exchange": exchange.plan_exchange(sent.report_bytes, sent.message_bytes, shares, digests, sent.own_bytes),
+        "by_key": _by_key(ranks, tensors, reps),
     })
     return point
+
+
+def _by_key(ranks: int, tensors: int, reps: int) -> Dict[str, Any]:
+    """The metadata phase as :mod:`nostall.planning.rounds` runs it now, planners by key
+    (:mod:`nostall.planning.planners`), on the same synthetic metadata, one rank at a time: the bytes each rank
+    sends and receives in its two all-to-alls (its parts to the planners, their answers back), the gather to
+    rank 0 and its answer; the work of rank 0 and of a non-zero rank on their training threads (medians of
+    ``reps``, at least 3): route and pickle its parts, plan its keys as a planner from what every rank sent
+    it, pickle its answers, merge the answers it got, lay out its own file; rank 0 besides settles the plan
+    from every rank's facts (``Rounds._settle_plan``: the planners' headers, ``check_objects``, the layout)
+    and builds the manifest skeleton from the layout."""
+    from nostall.planning import planners
+    from nostall.planning.comm import Comm
+    from nostall.planning.plan import own_files
+    from nostall.planning.rounds import Rounds
+    from nostall.saving.saver import manifest_skeleton
+
+    world = ranks
+    watch = sorted({0, min(1, world - 1)})  # rank 0 and a non-zero rank, each as a planner and as a rank
+    got: Dict[int, List[Optional[bytes]]] = {p: [None] * world for p in watch}
+    received = [0] * world  # bytes each planner receives in the first all-to-all
+    sent_parts = [0] * world
+    routed: Dict[int, Tuple[List[Optional[bytes]], List[List[int]]]] = {}
+    route_s: Dict[int, List[float]] = {p: [] for p in watch}
+    for r in range(world):
+        m = synthetic_meta(r, ranks, tensors)
+        runs = max(3, reps) if r in watch else 1
+        for _ in range(runs):
+            t, (parts, index) = _timed(planners.route, m, world, False)
+            t2, pickles = _timed(lambda ps: [len(pickle.dumps(x, protocol=exchange.PICKLE)) for x in ps], parts)
+            if r in watch:
+                route_s[r].append(t + t2)
+        sent_parts[r] = sum(pickles)
+        for q, n in enumerate(pickles):
+            received[q] += n
+        for q in watch:
+            got[q][r] = parts[q]
+        if r in watch:
+            routed[r] = (parts, index)
+    out: Dict[str, Any] = {"planner_received_bytes_max": max(received),
+                           "planner_received_bytes_median": median(received)}
+    for r in watch:
+        times: Dict[str, List[float]] = {"plan_keys_s": [], "answers_s": []}
+        planned = None
+        for _ in range(max(3, reps)):
+            gc.collect()
+            t, planned = _timed(planners.plan_keys, got[r], r)
+            times["plan_keys_s"].append(t)
+            times["answers_s"].append(_timed(lambda a: [pickle.dumps(x, protocol=exchange.PICKLE) for x in a],
+                                             planned.answers)[0])
+        assert planned is not None and planned.error is None, planned.error if planned else None
+        answer_bytes = [len(pickle.dumps(a, protocol=exchange.PICKLE)) for a in planned.answers]
+        # what rank r gets back: each planner's answer to the parts it sent (as long as a planner's answer to
+        # parts of that length: its own planner's answers measured, the others' computed from the parts)
+        parts, index = routed[r]
+        m = synthetic_meta(r, ranks, tensors)
+        answers = [(b"\x01" * len(idx), ()) if idx else None for idx in index]  # every piece owned: an upper bound
+        back = sum(len(pickle.dumps(a, protocol=exchange.PICKLE)) for a in answers)
+        merge_s, files_s = [], []
+        for _ in range(max(3, reps)):
+            t, (owned, _copies) = _timed(planners.merge, index, answers, len(m.tensors))
+            merge_s.append(t)
+            files_s.append(_timed(own_files, m, r, world, owned)[0])
+        facts = (None, None, None, planned.headers, m.per_rank, [(f"rank{r}.safetensors", 1 << 30)],
+                 bool(planned.shared))
+        fact_bytes = len(pickle.dumps(facts, protocol=exchange.PICKLE))
+        point = {"route_s": median(route_s[r]), "plan_keys_s": median(times["plan_keys_s"]),
+                 "answers_s": median(times["answers_s"]), "merge_s": median(merge_s),
+                 "own_files_s": median(files_s), "keys_planned": len(planned.headers),
+                 "sent_bytes": sent_parts[r] + sum(answer_bytes) + fact_bytes,
+                 "received_bytes": received[r] + back + 64, "facts_bytes": fact_bytes}
+        point["thread_s"] = sum(point[k] for k in ("route_s", "plan_keys_s", "answers_s", "merge_s", "own_files_s"))
+        out[f"rank{r}"] = point
+    # rank 0 settles the plan from every rank's facts: every key's header once (from its planner), each rank's
+    # per-rank tensors and file
+    metas0 = synthetic_meta(0, ranks, tensors)
+    by_planner: List[Dict[str, Any]] = [{} for _ in range(world)]
+    for t in metas0.tensors:
+        by_planner[planners.planner_of(t.key, world)][t.key] = (t.dtype, t.global_shape, t.sharded, "")
+    facts_all = [(None, None, None, by_planner[q], metas0.per_rank, [(f"rank{q}.safetensors", 1 << 30)], True)
+                 for q in range(world)]
+    blobs = [pickle.dumps(f, protocol=exchange.PICKLE) for f in facts_all]
+    del facts_all
+    rounds = Rounds(Comm())
+    rounds._reports = [exchange.report(q) for q in range(world)]
+    settle_s, skel_s = [], []
+    per_rank_objects = [exchange.per_rank_objects(q) for q in range(world)]
+    for _ in range(max(3, reps)):
+        gc.collect()
+        t0 = time.perf_counter()
+        with gc_paused():
+            outcome = rounds._settle_plan([pickle.loads(b) for b in blobs], None)
+        settle_s.append(time.perf_counter() - t0)
+        assert rounds._layout is not None, outcome
+        skel_s.append(_timed(manifest_skeleton, rounds._layout, exchange.objects(), per_rank_objects, 1, 1 << 20)[0])
+    out["rank0"]["settle_s"] = median(settle_s)
+    out["rank0"]["skeleton_s"] = median(skel_s)
+    out["rank0"]["gather_received_bytes"] = sum(len(b) for b in blobs)
+    out["rank0"]["thread_s"] += out["rank0"]["settle_s"] + out["rank0"]["skeleton_s"]
+    out["rank0"]["received_bytes"] += out["rank0"]["gather_received_bytes"]
+    return out
 
 
 def _power_law(xs: Sequence[float], ys: Sequence[float], x: float) -> Tuple[float, float]:
@@ -448,6 +550,14 @@ def bench_planning(ranks_list: Sequence[int], tensors_list: Sequence[int], reps:
                            f"{ex['other']['sent_bytes'] / 2**10:.1f} KiB, receives "
                            f"{ex['other']['received_bytes'] / 2**10:.1f} KiB; rank 0 receives "
                            f"{ex['rank0']['received_bytes'] / 2**20:.1f} MiB")
+            bk = p["by_key"]
+            _say(progress, f"  planners by key: rank 0 {bk['rank0']['thread_s'] * 1e3:.1f} ms on its training thread "
+                           f"(receives {bk['rank0']['received_bytes'] / 2**10:.1f} KiB), a non-zero rank "
+                           f"{bk['rank1']['thread_s'] * 1e3:.1f} ms (receives "
+                           f"{bk['rank1']['received_bytes'] / 2**10:.1f} KiB, sends "
+                           f"{bk['rank1']['sent_bytes'] / 2**10:.1f} KiB); a planner receives at most "
+                           f"{bk['planner_received_bytes_max'] / 2**10:.1f} KiB" if "rank1" in bk else
+                           f"  planners by key: rank 0 {bk['rank0']['thread_s'] * 1e3:.1f} ms")
             if measure:
                 _say(progress, f"  rank 0: decode {p['gather_decode_s']:.2f} s, plan {median(p['plan_s']):.2f} s for "
                                f"{p['pieces']} pieces, shared_keys {p['shared_keys_s']:.2f} s, shares "
