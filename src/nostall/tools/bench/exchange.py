@@ -78,7 +78,7 @@ def answer() -> Tuple[Any, ...]:
 
 def share(owned: bytes, copies: Sequence[int], total: int, check_now: bool) -> Tuple[Any, ...]:
     """What rank 0 scatters to a rank at a first save: ``((plan id, owned, copy indices, total bytes), check
-    now)`` (:meth:`nostall.planning.rounds.Rounds._plan_all`)."""
+    now)`` (the central planner's scatter, before planning by key)."""
     return (PLAN_ID, owned, tuple(copies), total), check_now
 
 

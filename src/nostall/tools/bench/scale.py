@@ -204,8 +204,8 @@ def _share_pickles(metas: Iterable[Any], copies: Sequence[Sequence[str]], owned:
 
 
 def _rank0(sent: _Sent, reps: int) -> Tuple[Dict[str, Any], Any, List[Any], List[List[str]], List[bytes]]:
-    """Rank 0's planning at a first save, each step timed as ``Rounds._plan_all`` runs it (the garbage collector
-    paused): unpickle the reports and messages and decode every rank's metadata, ``build_plan``,
+    """Rank 0's planning at a first save as the central planner ran it before planning by key (the reference;
+    the garbage collector paused): unpickle the reports and messages and decode every rank's metadata, ``build_plan``,
     ``check_objects``, ``shared_keys`` + ``copies_of``, every rank's share (``owned_pieces``, copy indices,
     pickled for the scatter) and its own file checked against the plan, then the replica check's verdict
     (``disagreements``) on every rank's digests. Returns the times, the plan, the metadata, the copies and
