@@ -369,7 +369,7 @@ def _side_records(m: Manifest, side: Tuple[Tuple[str, bytes], ...], dest: Destin
 def _skeleton(m: Manifest, plan: _Plan, entries: _Entries, side_recs: Dict[str, SideFileRecord]) -> Manifest:
     """DST's manifest skeleton: SRC's, every piece moved to where DST's files hold it. The skeleton
     names each piece where it is planned (rank<N>.safetensors); the commit puts the stored names in
-    from what was written (Manifest.with_placed), as for a save."""
+    from what was written (Manifest.with_pieces, through save_solo), as for a save."""
     rank_of = {n: f.rank for n, f in m.all_files().items()}
 
     def moved(t: TensorRecord) -> TensorRecord:
