@@ -37,6 +37,7 @@ The projection (:mod:`nostall.tools.bench.projection`) puts one rank's costs sid
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import datetime
 import gc
 import json
@@ -399,7 +400,10 @@ def _by_key(ranks: int, tensors: int, reps: int) -> Dict[str, Any]:
     from nostall.saving.saver import manifest_skeleton
 
     world = ranks
-    watch = sorted({0, min(1, world - 1)})  # rank 0 and a non-zero rank, each as a planner and as a rank
+    keys = Counter(planners.planner_of(t.key, world) for t in synthetic_meta(0, ranks, tensors).tensors)
+    busiest = max(range(world), key=lambda q: (keys[q], -q))
+    # rank 0, a non-zero rank and the planner of the most keys, each as a planner and as a rank
+    watch = sorted({0, min(1, world - 1), busiest})
     got: Dict[int, List[Optional[bytes]]] = {p: [None] * world for p in watch}
     received = [0] * world  # bytes each planner receives in the first all-to-all
     sent_parts = [0] * world
@@ -421,7 +425,8 @@ def _by_key(ranks: int, tensors: int, reps: int) -> Dict[str, Any]:
         if r in watch:
             routed[r] = (parts, index)
     out: Dict[str, Any] = {"planner_received_bytes_max": max(received),
-                           "planner_received_bytes_median": median(received)}
+                           "planner_received_bytes_median": median(received), "busiest": busiest,
+                           "keys_of_busiest": keys[busiest]}
     for r in watch:
         times: Dict[str, List[float]] = {"plan_keys_s": [], "answers_s": []}
         planned = None
@@ -454,6 +459,8 @@ def _by_key(ranks: int, tensors: int, reps: int) -> Dict[str, Any]:
                  "received_bytes": received[r] + back + 64, "facts_bytes": fact_bytes}
         point["thread_s"] = sum(point[k] for k in ("route_s", "plan_keys_s", "answers_s", "merge_s", "own_files_s"))
         out[f"rank{r}"] = point
+        if r == busiest:
+            out["busiest_planner"] = point
     # rank 0 settles the plan from every rank's facts: every key's header once (from its planner), each rank's
     # per-rank tensors and file
     metas0 = synthetic_meta(0, ranks, tensors)
@@ -555,8 +562,9 @@ def bench_planning(ranks_list: Sequence[int], tensors_list: Sequence[int], reps:
                            f"(receives {bk['rank0']['received_bytes'] / 2**10:.1f} KiB), a non-zero rank "
                            f"{bk['rank1']['thread_s'] * 1e3:.1f} ms (receives "
                            f"{bk['rank1']['received_bytes'] / 2**10:.1f} KiB, sends "
-                           f"{bk['rank1']['sent_bytes'] / 2**10:.1f} KiB); a planner receives at most "
-                           f"{bk['planner_received_bytes_max'] / 2**10:.1f} KiB" if "rank1" in bk else
+                           f"{bk['rank1']['sent_bytes'] / 2**10:.1f} KiB); the busiest planner "
+                           f"({bk['keys_of_busiest']} keys) {bk['busiest_planner']['thread_s'] * 1e3:.1f} ms, receives "
+                           f"{bk['busiest_planner']['received_bytes'] / 2**10:.1f} KiB" if "rank1" in bk else
                            f"  planners by key: rank 0 {bk['rank0']['thread_s'] * 1e3:.1f} ms")
             if measure:
                 _say(progress, f"  rank 0: decode {p['gather_decode_s']:.2f} s, plan {median(p['plan_s']):.2f} s for "
