@@ -163,12 +163,13 @@ def plan_keys(parts: Sequence[Optional[bytes]], me: int) -> Planned:
     for o, n in zip(owners, sizes):
         out.loads[o] += n
     out.shared = replicas.scan_shared_keys(RankMeta(tuple(ts), ()) for ts in sent)
+    copied = {k: set().union(*groups) for k, groups in out.shared.items()}  # who holds a copy of each key
+    none: set = set()
     for r, ts in enumerate(sent):
         if parts[r] is None:
             continue
         owned = bytes(owner.get((t.key, t.offset, t.shape), -1) == r for t in ts)
-        copies = tuple(i for i, t in enumerate(ts) if t.key in out.shared
-                       and any(r in g for g in out.shared[t.key]))
+        copies = tuple(i for i, t in enumerate(ts) if r in copied.get(t.key, none))
         out.answers[r] = (owned, copies)
     return out
 
