@@ -68,6 +68,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import nostall
+from tests.dist_harness import process_alive
 
 TIMEOUT_S = 3.0  # the jobs' CheckpointManager timeout (every wait in the library is bounded by it)
 ROWS, COLS = 256, 1024  # per rank: 1 MiB of float32 (sharded) + a replicated vector
@@ -262,7 +263,7 @@ def _writer_fate(out_dir: str, rank: int, first: Optional[int], proc: Any, now: 
     elif proc is not None and getattr(proc, "pid", None) == first:
         fate = "killed" if proc.poll() == -signal.SIGKILL else ""
     else:  # no handle (the manager changed): a writer gone while its trainer lives
-        fate = "" if now is None or _alive(first) else "gone"
+        fate = "" if now is None or process_alive(first) else "gone"
     if fate:
         with open(os.path.join(out_dir, f"writer-gone{rank}"), "w") as f:
             f.write(fate)
@@ -425,12 +426,6 @@ def _calibrate(ctx: Any, dest: Dest, tmp: str, warm: bool = False) -> float:
     return span
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] not in "ZX"  # a zombie is gone
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 def _read_pids(out_dir: str, world: int) -> Dict[int, Dict[str, Any]]:
@@ -661,7 +656,7 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
                     trial.mid_save = _read_mark(out_dir, f"saved{r}") is None
                 t_kill = time.monotonic()
                 for v in victims:
-                    if _alive(v):
+                    if process_alive(v):
                         os.kill(v, signal.SIGKILL)
                         trial.hit = True
                 with open(os.path.join(out_dir, "release"), "w"):
@@ -698,12 +693,12 @@ def run_trials(n: int, seed: int, dest: Optional[Dest] = None) -> Report:
             # a writer's watchdog looks every 0.1 s: a writer still there WRITER_GONE_S after its trainer hangs
             until = t_trainers + WRITER_GONE_S
             while time.monotonic() < until and any(
-                    v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
+                    v.get("writer") and process_alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
                 time.sleep(0.01)
-            if not any(v.get("writer") and _alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
+            if not any(v.get("writer") and process_alive(v["writer"]) for v in _read_pids(out_dir, 2).values()):
                 trial.writer_gone_s = time.monotonic() - t_trainers
             for r, v in _read_pids(out_dir, 2).items():
-                if v.get("writer") and _alive(v["writer"]):
+                if v.get("writer") and process_alive(v["writer"]):
                     trial.problems.append(f"writer {v['writer']} of rank {r} outlived its trainer")
                     os.kill(v["writer"], signal.SIGKILL)
             for r, code in enumerate(trial.exit_codes):

@@ -69,6 +69,15 @@ EXIT_GRACE_S = 30.0
 PG_TIMEOUT_S = 60.0
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that was free at the time of the call."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -36,7 +36,7 @@ from nostall.memory.rendezvous import (MemoryTierError, NoHello, base_dir, conne
                                        read_mark, recv, send, socket_name)
 from nostall.options import MemoryTier, Options
 from nostall.storage.posix import PosixRoot
-from tests.dist_harness import run_ranks
+from tests.dist_harness import run_ranks, process_alive
 
 _N = 50000
 _PERSIST = 4
@@ -83,19 +83,13 @@ def _restore(rank, world, root, shm):
                 "memory_root": mgr._tiers.root.url}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _wait_gone(pid: int, bound: float = 30.0) -> bool:
     deadline = time.monotonic() + bound
-    while not _gone(pid) and time.monotonic() < deadline:
+    while process_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return _gone(pid)
+    return not process_alive(pid)
 
 
 def _crash(tmp, last=6, idle_s=120.0, keep=1):
@@ -128,7 +122,7 @@ def test_a_trainer_crash_restores_the_newest_memory_step_with_nothing_read_from_
     root, shm, ranks = _crash(tmp_path)
     assert ranks[0]["holder"] == ranks[1]["holder"]  # one holder per host
     holder = ranks[0]["holder"]
-    assert not _gone(holder)  # it outlives the trainers
+    assert process_alive(holder)  # it outlives the trainers
     for rank, r in enumerate(ranks):
         assert r["persistent"] == [4]
         # The bound: keep=1 committed snapshot, plus the newest until rank 0's writer applied retention after its
@@ -308,7 +302,7 @@ def test_ranks_on_several_hosts_are_refused_on_every_rank_naming_the_fix(tmp_pat
     # to restore): the holder stays, until its idle bound (or a signal).
     holder = got[0][1]
     base = os.path.join(shm, f"nostall-{os.getuid()}")
-    assert not _gone(holder) and len(os.listdir(base)) > 1
+    assert process_alive(holder) and len(os.listdir(base)) > 1
     os.kill(holder, signal.SIGTERM)
     assert _wait_gone(holder)
     assert os.listdir(base) == []
@@ -554,7 +548,7 @@ def test_a_rollback_is_followed_and_an_exception_keeps_the_tier_until_a_clean_cl
     # The memory root's latest (5), not its highest step (6 was dropped at the rollback); the uncaught
     # exception's close (atexit) released nothing, nor did the one through __exit__.
     assert (g["step"], g["tier"], g["exact"]) == (5, "memory", True), g
-    assert not _gone(g["holder"]) and os.listdir(g["memory_root"]).count("step_5") == 1
+    assert process_alive(g["holder"]) and os.listdir(g["memory_root"]).count("step_5") == 1
     (g2,) = run_ranks(1, _restore_one, root, shm, False, timeout=120)
     assert (g2["step"], g2["tier"], g2["exact"], g2["holder"]) == (5, "memory", True, g["holder"]), g2
     assert _wait_gone(g["holder"])  # a clean close releases it

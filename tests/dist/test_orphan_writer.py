@@ -45,7 +45,7 @@ import pytest
 import torch
 
 import nostall
-from tests.dist_harness import run_ranks
+from tests.dist_harness import run_ranks, process_alive
 
 _N = 40000
 BOUND_S = 90.0  # only a hang reaches it
@@ -62,12 +62,6 @@ def _expected(step: int):
             "step": step}
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def _wait(what: str, cond) -> None:
@@ -117,7 +111,7 @@ def test_an_orphan_with_a_job_not_handed_over_whole_dies_and_commits_nothing(tmp
     root = str(tmp_path / "run")
     # overlapped: the job goes to the writer first and its bytes follow; the copy sleeps before its first chunk
     pids = _killed(root, str(tmp_path / "out"), {"overlap": True}, {"stage_delay_s": 30.0})
-    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    _wait("the writers to be gone", lambda: all(not process_alive(p["writer"]) for p in pids))
     latest, steps = _load_latest(root)
     assert (latest, steps) == (1, [1])
     assert not os.path.exists(os.path.join(root, "step_2"))
@@ -147,9 +141,9 @@ def test_an_orphan_finishes_a_streamed_job_whose_every_chunk_was_sent(tmp_path, 
     pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     # rank 0's orphan holds the root's lock and says so, its chunks still unread
     _wait("the orphan writer's lock record", lambda: _lock_record(root).get("writer_of") == pids[0]["trainer"])
-    assert not _gone(pids[0]["writer"]) and not _gone(pids[1]["writer"])
+    assert process_alive(pids[0]["writer"]) and process_alive(pids[1]["writer"])
     open(gate, "w").close()
-    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    _wait("the writers to be gone", lambda: all(not process_alive(p["writer"]) for p in pids))
     latest, steps = _load_latest(root)
     assert (latest, steps) == (2, [1, 2])
     err = capfd.readouterr().err
@@ -171,7 +165,7 @@ def _one_trainer_dies(rank, world, root, out_dir, gate):
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         other = os.path.join(out_dir, "rank1.json")
-        _wait("trainer 1 to be gone", lambda: os.path.exists(other) and _gone(json.load(open(other))["trainer"]))
+        _wait("trainer 1 to be gone", lambda: os.path.exists(other) and not process_alive(json.load(open(other))["trainer"]))
         open(gate, "w").close()
         stats = handle.result(timeout=BOUND_S)  # rank 1's part comes from its orphan writer
         with open(os.path.join(out_dir, "outcome.json"), "w") as f:
@@ -185,7 +179,7 @@ def test_a_trainer_killed_alone_its_orphan_reports_and_rank_0_commits(tmp_path):
         run_ranks(2, _one_trainer_dies, root, out, str(tmp_path / "gate"), timeout=2 * BOUND_S, grace=BOUND_S)
     assert json.load(open(os.path.join(out, "outcome.json"))) == {"committed": True, "latest": 2}
     pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
-    _wait("the writers to be gone", lambda: all(_gone(p["writer"]) for p in pids))
+    _wait("the writers to be gone", lambda: all(not process_alive(p["writer"]) for p in pids))
     assert _load_latest(root) == (2, [1, 2])
 
 
@@ -220,7 +214,7 @@ def test_without_rank_0s_lock_every_orphan_dies_rank_1s_too(tmp_path):
         run_ranks(2, _no_flock_then_die, root, out, gate, timeout=120, grace=30)
     pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     try:  # the job was handed over whole on both ranks: only the missing lock makes the orphans die
-        _wait("the writers to be gone (the gate still shut)", lambda: all(_gone(p["writer"]) for p in pids))
+        _wait("the writers to be gone (the gate still shut)", lambda: all(not process_alive(p["writer"]) for p in pids))
     finally:
         open(gate, "w").close()
     assert "writer_of" not in _lock_record(root)
@@ -249,7 +243,7 @@ def test_a_restarted_job_waits_for_rank_0s_orphan_writer_then_finds_its_save_com
     _wait("the orphan writer's lock record", lambda: _lock_record(root).get("writer_of") == pids[0]["trainer"])
     record = _lock_record(root)
     assert record["pid"] == pids[0]["writer"] and record["step"] == 2
-    assert not _gone(pids[0]["writer"]) and not _gone(pids[1]["writer"])
+    assert process_alive(pids[0]["writer"]) and process_alive(pids[1]["writer"])
 
     results: list = []
     errors: list = []
@@ -275,8 +269,8 @@ def test_a_restarted_job_waits_for_rank_0s_orphan_writer_then_finds_its_save_com
     assert [r[:2] for r in results] == [(3, 2), (3, 2)]  # resumed from the orphan's step 2, then saved 3
     text = open(log0).read()
     assert f"pid {pids[0]['writer']}" in text and f"pid {pids[0]['trainer']}" in text
-    _wait("every writer to be gone", lambda: all(_gone(p["writer"]) for p in pids)
-          and all(_gone(r[2]) for r in results))
+    _wait("every writer to be gone", lambda: all(not process_alive(p["writer"]) for p in pids)
+          and all(not process_alive(r[2]) for r in results))
     latest, steps = _load_latest(root)
     assert (latest, steps) == (3, [1, 2, 3])
     assert "writer_of" not in _lock_record(root)

@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import nostall
-from tests.dist_harness import run_ranks
+from tests.dist_harness import run_ranks, process_alive
 
 _N = 50000
 KINDS = ["exit/both", "flag/both", "flag/one", "exit/one"]
@@ -100,12 +100,6 @@ def _read(out_dir: str, rank: int):
         return [json.loads(line) for line in f]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 def _signaller(out_dir: str, targets, delay: float, sent: dict, stop: threading.Event) -> None:
@@ -149,9 +143,9 @@ def _trial(root: str, out_dir: str, kind: str, seed: int, rng: random.Random):
     # no writer left (ranks are joined by run_ranks)
     writers = {n["writer"] for log in logs for n in log if n.get("writer")}
     deadline = time.monotonic() + 30
-    while any(_alive(w) for w in writers) and time.monotonic() < deadline:
+    while any(process_alive(w) for w in writers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [w for w in writers if _alive(w)], writers
+    assert not [w for w in writers if process_alive(w)], writers
     returned = [sorted(n["returned"] for n in log if "returned" in n) for log in logs]
     attempted = [sorted(n["attempt"] for n in log if "attempt" in n) for log in logs]
     on_all = sorted(set(returned[0]) & set(returned[1]))

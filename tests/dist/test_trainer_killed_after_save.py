@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import nostall
-from tests.dist_harness import run_ranks
+from tests.dist_harness import run_ranks, process_alive
 
 _N = 40000
 
@@ -44,12 +44,6 @@ def _save_then_die(rank, world, root, out_dir):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +56,7 @@ def killed(tmp_path_factory):
     pids = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
     # Wait (bounded) for the writers: an orphan that finishes its job would commit meanwhile.
     deadline = time.monotonic() + 60
-    while not all(_gone(p["writer"]) for p in pids) and time.monotonic() < deadline:
+    while not all(not process_alive(p["writer"]) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return root, pids
 
@@ -83,7 +77,7 @@ def _load_latest(root):
 
 def test_nothing_half_committed_and_no_writer_left(killed):
     root, pids = killed
-    assert all(_gone(p["writer"]) for p in pids)  # no writer outlives its trainer (or its bounded last job)
+    assert all(not process_alive(p["writer"]) for p in pids)  # no writer outlives its trainer (or its bounded last job)
     latest, steps = _load_latest(root)  # latest loads bit-exact
     assert steps == list(range(1, latest + 1))
     if latest == 1:  # today: step 2 lost whole

@@ -27,16 +27,11 @@ import nostall
 from nostall.core.faults import TOKEN_ENV
 from nostall import WriterVersionError
 from nostall.saving.writer import code_token
+from tests.dist_harness import process_alive
 
 BOUND_S = 60.0  # only a hang reaches it
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 def test_the_token_names_the_version_and_the_code_and_is_computed_once():
@@ -78,9 +73,9 @@ def test_a_writer_of_other_code_is_refused_never_used(tmp_path, monkeypatch):
     finally:
         mgr.close()
     deadline = time.monotonic() + BOUND_S
-    while not _gone(writer) and time.monotonic() < deadline:
+    while process_alive(writer) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _gone(writer)
+    assert not process_alive(writer)
     monkeypatch.delenv(TOKEN_ENV)
     with nostall.CheckpointManager(root, async_save=True, timeout=BOUND_S) as mgr:  # a writer of this code
         mgr.save(1, state).result()

@@ -129,14 +129,36 @@ def encode_meta(meta: RankMeta) -> bytes:
     >>> decode_meta(encode_meta(m)) == m
     True
     """
-    ts = meta.tensors
-    offsets = [None if not any(t.offset) else t.offset for t in ts]
-    shapes = [None if t.shape == t.global_shape else t.shape for t in ts]
-    flags = bytes((1 if t.sharded else 0) | (2 if t.main else 0) for t in ts)
-    ties = {i: t.tied_to for i, t in enumerate(ts) if t.tied_to}
-    cols = (_WIRE, [t.key for t in ts], [t.dtype for t in ts], [t.global_shape for t in ts], offsets, shapes,
-            flags, ties, meta.per_rank, meta.signature())
+    cols = (_WIRE, *tensor_columns(meta.tensors), meta.per_rank, meta.signature())
     return pickle.dumps(cols, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+Columns = Tuple[List[str], List[str], List[Shape], List[Any], List[Any], bytes, Dict[int, str]]
+"""TensorMetas as columns: keys, dtype codes, global shapes, offsets (None: zeros), shapes (None: the global
+shape), flags (bit 0 sharded, bit 1 main), ties by index."""
+
+
+def tensor_columns(ts: Sequence[TensorMeta]) -> Columns:
+    """``ts`` as :data:`Columns` (what :func:`encode_meta` and a planner's part send)."""
+    return ([t.key for t in ts], [t.dtype for t in ts], [t.global_shape for t in ts],
+            [None if not any(t.offset) else t.offset for t in ts],
+            [None if t.shape == t.global_shape else t.shape for t in ts],
+            bytes((1 if t.sharded else 0) | (2 if t.main else 0) for t in ts),
+            {i: t.tied_to for i, t in enumerate(ts) if t.tied_to})
+
+
+def tensor_metas(keys: Sequence[str], dtypes: Sequence[str], gshapes: Sequence[Shape], offsets: Sequence[Any],
+                 shapes: Sequence[Any], flags: bytes, ties: Mapping[int, str]) -> List[TensorMeta]:
+    """The TensorMetas of :func:`tensor_columns`' columns."""
+    out = []
+    for i, (key, code, gshape, off, shp, fl) in enumerate(zip(keys, dtypes, gshapes, offsets, shapes, flags)):
+        m = _new(TensorMeta)
+        m.__dict__.update(key=key, dtype=code, global_shape=gshape,
+                          offset=off if off is not None else (0,) * len(gshape),
+                          shape=shp if shp is not None else gshape, sharded=bool(fl & 1), main=bool(fl & 2),
+                          tied_to=ties.get(i, ""))
+        out.append(m)
+    return out
 
 
 def decode_meta(blob: bytes) -> RankMeta:
@@ -145,14 +167,7 @@ def decode_meta(blob: bytes) -> RankMeta:
     if version != _WIRE:
         raise InvalidStateError(f"planning metadata of layout {version}, this nostall reads {_WIRE}: every rank "
                                 "must run the same nostall version")
-    tensors = []
-    for i, (key, code, gshape, off, shp, fl) in enumerate(zip(keys, dtypes, gshapes, offsets, shapes, flags)):
-        m = _new(TensorMeta)
-        m.__dict__.update(key=key, dtype=code, global_shape=gshape,
-                          offset=off if off is not None else (0,) * len(gshape),
-                          shape=shp if shp is not None else gshape, sharded=bool(fl & 1), main=bool(fl & 2),
-                          tied_to=ties.get(i, ""))
-        tensors.append(m)
+    tensors = tensor_metas(keys, dtypes, gshapes, offsets, shapes, flags, ties)
     out = RankMeta(tuple(tensors), tuple(per_rank))
     object.__setattr__(out, "_signature", sig)
     return out

@@ -42,7 +42,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from nostall.errors import InvalidStateError
 from nostall.planning import replicas
-from nostall.planning.plan import RankMeta, TensorMeta, assign_owners, check_headers, key_pieces, ties_of
+from nostall.planning.plan import (RankMeta, TensorMeta, assign_owners, check_headers, key_pieces, tensor_columns,
+                                  tensor_metas, ties_of)
 
 __all__ = ["planner_of", "route", "plan_keys", "merge", "in_one_process", "Planned", "Header"]
 
@@ -70,24 +71,13 @@ def _encode(ts: Sequence[TensorMeta], per_rank: Sequence[str]) -> Optional[bytes
     (a key may not be both). None when there is nothing."""
     if not ts and not per_rank:
         return None
-    cols = ([t.key for t in ts], [t.dtype for t in ts], [t.global_shape for t in ts],
-            [None if not any(t.offset) else t.offset for t in ts],
-            [None if t.shape == t.global_shape else t.shape for t in ts],
-            bytes((1 if t.sharded else 0) | (2 if t.main else 0) for t in ts),
-            {i: t.tied_to for i, t in enumerate(ts) if t.tied_to}, list(per_rank))
+    cols = (*tensor_columns(ts), list(per_rank))
     return pickle.dumps(cols, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _decode(blob: bytes) -> Tuple[List[TensorMeta], List[str]]:
     keys, dtypes, gshapes, offsets, shapes, flags, ties, per_rank = pickle.loads(blob)
-    out = []
-    for i, (key, code, gshape, off, shp, fl) in enumerate(zip(keys, dtypes, gshapes, offsets, shapes, flags)):
-        m = _new(TensorMeta)
-        m.__dict__.update(key=key, dtype=code, global_shape=gshape,
-                          offset=off if off is not None else (0,) * len(gshape),
-                          shape=shp if shp is not None else gshape, sharded=bool(fl & 1), main=bool(fl & 2),
-                          tied_to=ties.get(i, ""))
-        out.append(m)
+    out = tensor_metas(keys, dtypes, gshapes, offsets, shapes, flags, ties)
     return out, per_rank
 
 
