@@ -99,10 +99,10 @@ from tests.crash_harness import (  # noqa: E402
     SYNC_POINTS,
     TRAINER_POINTS,
     WRITER_POINTS,
-    _alive,
     _mark,
     _read_mark,
 )
+from tests.dist_harness import process_alive  # noqa: E402
 
 CRASH_ENV = "NOSTALL_TEST_CRASH"  # a crash point's spec, <role>:<point>:<step> (nostall's test-only fault hooks)
 LONG = os.environ.get("NOSTALL_OWNERSHIP_EXAMPLES")
@@ -233,9 +233,9 @@ def _run_child(out_dir: str, *args: Any) -> Tuple[Optional[int], Dict[str, Any]]
     writer = pids.get("writer")
     if writer:
         until = time.monotonic() + WRITER_GONE_BOUND_S
-        while _alive(writer) and time.monotonic() < until:
+        while process_alive(writer) and time.monotonic() < until:
             time.sleep(0.01)
-        if _alive(writer):
+        if process_alive(writer):
             os.kill(writer, signal.SIGKILL)
             raise AssertionError(f"the crashed save's writer (pid {writer}) outlived its trainer by "
                                  f"{WRITER_GONE_BOUND_S:.0f} s")
