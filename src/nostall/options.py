@@ -259,6 +259,13 @@ class MemoryTier:
         idle_s: the holder releases the tier once no manager was attached for
             this long (a job that crashed and was not restarted).
         memory_dir: the tmpfs directory it lives under (None: ``/dev/shm``).
+        peer_jump: with ranks on several hosts (numbered by their lowest
+            rank), host ``h``'s snapshots are replicated on host
+            ``(h + peer_jump) % hosts`` (NVRx's ``replication_jump``: space it
+            by the failure blast radius); a jump that maps a host to itself is
+            refused when the job starts.
+        peer_bytes_per_s: the pace at which a holder streams a replica to its
+            peer (bytes per second; None: as fast as the link goes).
 
     >>> MemoryTier(persist_every=100).keep
     1
@@ -272,9 +279,15 @@ class MemoryTier:
     keep: int = 1
     idle_s: float = 600.0
     memory_dir: Optional[str] = None
+    peer_jump: int = 1
+    peer_bytes_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         _positive_int("MemoryTier persist_every", self.persist_every)
+        _positive_int("MemoryTier peer_jump", self.peer_jump)
+        rate = self.peer_bytes_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0):
+            raise ValueError(f"MemoryTier peer_bytes_per_s must be None or a positive number, got {rate!r}")
         if isinstance(self.keep, bool) or self.keep not in (1, 2):
             raise ValueError(f"MemoryTier keep must be 1 or 2, got {self.keep!r}")
         if isinstance(self.idle_s, bool) or not isinstance(self.idle_s, (int, float)) or not self.idle_s > 0:

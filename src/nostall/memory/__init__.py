@@ -8,6 +8,9 @@ job and host, whose lifetime a per-host *holder* process owns
 - :mod:`nostall.memory.rendezvous`: names (the memory root, the holder's mark
   and socket), finding a holder it can prove nostall made, or starting one.
 - :mod:`nostall.memory.holder`: the holder process (torch-free).
+- :mod:`nostall.memory.wire`: the holders' framed, checksummed, authenticated
+  TCP messages between hosts.
+- :mod:`nostall.memory.peers`: hosts, peers (``peer_jump``), replicas on the wire.
 - :mod:`nostall.memory.tier`: the manager's side: where a save goes, the
   freshest complete tier on restore, releasing the holder at close.
 

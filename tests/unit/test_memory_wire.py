@@ -1,0 +1,307 @@
+"""The holders' wire (memory/wire.py) and replicas on it (memory/peers.py): frames, authentication, transfers.
+
+Real TCP sockets on the loopback, no torch. Every refusal is checked by what
+it leaves: the error's text, the connection closed, no file written.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+
+from nostall.core.format import crc
+from nostall.memory.peers import HostTable, PeerServer, Replica, check_jump, number_hosts, receive_replica, \
+    reachable_address, send_replica
+from nostall.memory.rendezvous import MemoryTierError
+from nostall.memory.wire import MAGIC, PREFIX, Throttle, Wire, WireError, accept_peer, connect_peer, new_secret
+from nostall.options import MemoryTier
+
+SECRET = new_secret()
+
+
+def _pair() -> Tuple[Wire, Wire]:
+    a, b = socket.socketpair()
+    return Wire(a, "end a"), Wire(b, "end b")
+
+
+def _soon(s: float = 5.0) -> float:
+    return time.monotonic() + s
+
+
+def test_frames_round_trip_with_payloads():
+    a, b = _pair()
+    try:
+        big = os.urandom(3 << 20)
+        got: List[object] = []
+        reader = threading.Thread(target=lambda: got.extend([b.recv(_soon()), b.recv(_soon())]), daemon=True)
+        reader.start()
+        a.send({"op": "x", "n": 1}, big, deadline=_soon())
+        a.send({"op": "y"}, deadline=_soon())
+        reader.join(5)
+        assert got == [({"op": "x", "n": 1}, big), ({"op": "y"}, b"")]
+    finally:
+        a.close()
+        b.close()
+
+
+def _raw_frame(header: bytes, payload: bytes, hcrc: int = -1, pcrc: int = -1, magic: bytes = MAGIC) -> bytes:
+    return PREFIX.pack(magic, len(header), len(payload), crc(header) if hcrc < 0 else hcrc,
+                       crc(payload) if pcrc < 0 else pcrc) + header + payload
+
+
+@pytest.mark.parametrize("frame, says", [
+    (_raw_frame(b'{"op": "data"}', b"abcd", pcrc=crc(b"abce")), "payload of a frame from end b (\'data\', 4 bytes) "
+                                                                 "fails its CRC32C"),
+    (_raw_frame(b'{"op": "data"}', b"abcd", hcrc=crc(b"other")), "header of a frame from end b fails its CRC32C"),
+    (_raw_frame(b'{"op": "data"}', b"", magic=b"HTTP"), "not a nostall peer frame"),
+    (_raw_frame(b'[1, 2]', b""), "not a JSON object"),
+    (_raw_frame(b'{"op": "data"}', b"abcd")[:-2], "closed the connection in the middle of the frame's payload "
+                                                  "(2 of 4 bytes)"),
+    (PREFIX.pack(MAGIC, 10, 1 << 40, 0, 0), "announced a frame too large"),
+])
+def test_bad_frames_are_refused(frame, says):
+    a, b = _pair()
+    try:
+        a.sock.sendall(frame)
+        a.sock.shutdown(socket.SHUT_WR)
+        with pytest.raises(WireError) as e:
+            b.recv(_soon())
+        assert says in str(e.value)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_frame_that_never_ends_is_refused_at_the_deadline():
+    a, b = _pair()
+    try:
+        a.sock.sendall(_raw_frame(b'{"op": "data"}', b"abcdef")[:-3])
+        with pytest.raises(WireError, match=r"did not send the frame's payload in time \(3 of 6 bytes\)"):
+            b.recv(_soon(0.3))
+    finally:
+        a.close()
+        b.close()
+
+
+def _server(secret: str, handle) -> Tuple[socket.socket, threading.Thread, List[object]]:
+    """A one-connection listener on the loopback that authenticates with ``secret`` then runs ``handle``."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    got: List[object] = []
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        try:
+            wire = accept_peer(conn, "the client", secret, _soon())
+            got.append(handle(wire))
+        except Exception as e:
+            got.append(e)
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lst, t, got
+
+
+def test_authentication_both_ways():
+    lst, t, got = _server(SECRET, lambda w: w.recv(_soon()))
+    try:
+        wire = connect_peer("127.0.0.1", lst.getsockname()[1], SECRET, _soon())
+        wire.send({"op": "hi"}, b"x", deadline=_soon())
+        t.join(5)
+        assert got == [({"op": "hi"}, b"x")]
+        wire.close()
+    finally:
+        lst.close()
+
+
+def test_a_client_without_the_secret_is_refused_and_writes_nothing():
+    lst, t, got = _server(SECRET, lambda w: w.recv(_soon()))
+    try:
+        # the client sees the server's mac fail first (it does not hold the secret either): refused at once
+        with pytest.raises(WireError, match="does not hold this job's secret"):
+            connect_peer("127.0.0.1", lst.getsockname()[1], new_secret(), _soon())
+        t.join(5)
+        assert len(got) == 1 and isinstance(got[0], WireError)
+    finally:
+        lst.close()
+
+
+def test_a_client_with_a_bad_hmac_is_refused_by_the_server():
+    lst, t, got = _server(SECRET, lambda w: w.recv(_soon()))
+    try:
+        sock = socket.create_connection(("127.0.0.1", lst.getsockname()[1]))
+        w = Wire(sock, "the server")
+        w.send({"op": "hello", "nonce": "00" * 16}, deadline=_soon())
+        h, _ = w.expect("challenge", _soon())
+        w.send({"op": "auth", "mac": "ab" * 32}, deadline=_soon())
+        with pytest.raises(WireError, match="refused: authentication failed"):
+            w.expect("welcome", _soon())
+        t.join(5)
+        assert len(got) == 1 and "failed authentication" in str(got[0])
+        w.close()
+    finally:
+        lst.close()
+
+
+def test_a_server_without_the_secret_is_refused_by_the_client():
+    lst, t, got = _server(new_secret(), lambda w: None)
+    try:
+        with pytest.raises(WireError, match="does not hold this job's secret"):
+            connect_peer("127.0.0.1", lst.getsockname()[1], SECRET, _soon())
+    finally:
+        lst.close()
+        t.join(5)
+
+
+def test_throttle_paces_to_the_rate_and_refuses_past_the_deadline():
+    th = Throttle(1000.0)
+    t0 = time.monotonic()
+    th.wait(100, _soon())
+    th.wait(100, _soon())
+    assert time.monotonic() - t0 >= 0.19  # 200 bytes at 1000 bytes/s: the pace itself, not a timing threshold
+    with pytest.raises(WireError, match="peer_bytes_per_s"):
+        th.wait(10_000, _soon(0.5))
+    Throttle(None).wait(1 << 40, time.monotonic())  # unlimited: never waits
+
+
+# ---------------------------------------------------------------------- hosts and peers
+def test_hosts_numbered_by_lowest_rank_and_peers_by_jump():
+    assert number_hosts([("h2",), ("h2",), ("h1",), ("h3",), ("h1",)]) == [0, 0, 1, 2, 1]
+    t = HostTable((0, 0, 1, 1, 2, 2, 3, 3), tuple(("10.0.0.%d" % i, 1) for i in range(4)), jump=2)
+    assert [t.peer(h) for h in range(4)] == [2, 3, 0, 1] and [t.source(h) for h in range(4)] == [2, 3, 0, 1]
+    assert t.ranks_of(1) == [2, 3]
+    assert HostTable.from_doc(t.to_doc()) == t
+    with pytest.raises(MemoryTierError, match=r"peer_jump=4 maps every host to itself on 4 hosts"):
+        HostTable(t.host_of, t.addrs, jump=4)
+    check_jump(3, 1)  # one host: no replica, any jump
+    assert MemoryTier(persist_every=5).peer_jump == 1
+    with pytest.raises(ValueError, match="peer_jump"):
+        MemoryTier(persist_every=5, peer_jump=0)
+    with pytest.raises(ValueError, match="peer_bytes_per_s"):
+        MemoryTier(persist_every=5, peer_bytes_per_s=-1)
+
+
+def test_reachable_address_is_a_local_source_address():
+    assert reachable_address(None) == "127.0.0.1"
+    assert reachable_address("127.0.0.1") == "127.0.0.1"
+    with pytest.raises(MemoryTierError, match="MASTER_ADDR"):
+        reachable_address("no-such-host.invalid")
+
+
+# ---------------------------------------------------------------------- replicas
+SAVE = "ab" * 16
+
+
+def _peer(tmp_path, secret: str = SECRET):
+    """A PeerServer on the loopback that receives replicas into tmp_path/into/<save_id>."""
+    into = tmp_path / "into"
+    into.mkdir()
+    got: List[Replica] = []
+    errors: List[Exception] = []
+
+    def directory(save_id: str, step: int) -> str:
+        d = into / save_id
+        d.mkdir(exist_ok=True)
+        return str(d)
+
+    def on_replica(wire: Wire, header: Dict[str, object], payload: bytes) -> None:
+        try:
+            got.append(receive_replica(wire, header, directory, _soon()))
+        except WireError as e:
+            errors.append(e)
+            raise
+
+    return PeerServer("127.0.0.1", secret, {"replica": on_replica}, timeout=5.0), into, got, errors
+
+
+def test_a_replica_arrives_whole_and_acknowledged(tmp_path):
+    src = tmp_path / "src"
+    (src / "side").mkdir(parents=True)
+    data = {"rank0.safetensors": os.urandom(9 << 20 | 7), "rank1.safetensors": b"", "side/x.json": b"{}"}
+    for n, b in data.items():
+        (src / n).write_bytes(b)
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        files = send_replica(wire, save_id=SAVE, step=7, host=1, top=str(src), names=list(data), deadline=_soon(30),
+                             throttle=Throttle(None))
+        assert files == {n: len(b) for n, b in data.items()}
+        assert got == [Replica(SAVE, 7, 1, files)] and not errors
+        for n, b in data.items():
+            assert (into / SAVE / n).read_bytes() == b
+        wire.close()
+    finally:
+        server.close()
+
+
+def test_a_corrupted_chunk_is_refused_and_nothing_is_left(tmp_path):
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        wire.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0, "files": [["rank0.safetensors", 8]]},
+                  deadline=_soon())
+        head = b'{"name": "rank0.safetensors", "offset": 0, "op": "data"}'
+        wire.sock.sendall(_raw_frame(head, b"12345678", pcrc=crc(b"12345679")))
+        with pytest.raises(WireError, match="refused: WireError: the payload of a frame .* fails its CRC32C"):
+            wire.expect("ack", _soon())
+        wire.close()
+        deadline = _soon()
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not got and errors
+        assert os.listdir(into / SAVE) == []
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs", "a/../../b", ""])
+def test_a_replica_naming_a_file_outside_its_directory_is_refused(tmp_path, name):
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        wire.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0, "files": [[name, 1]]}, deadline=_soon())
+        with pytest.raises(WireError, match="not plain and relative"):
+            wire.expect("ack", _soon())
+        wire.close()
+        assert not got and sorted(os.listdir(tmp_path)) == ["into"] and os.listdir(into) == []
+    finally:
+        server.close()
+
+
+def test_a_peer_without_the_secret_cannot_write_a_replica(tmp_path):
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        with pytest.raises(WireError):
+            connect_peer("127.0.0.1", server.port, new_secret(), _soon())
+        sock = socket.create_connection(("127.0.0.1", server.port))  # straight to a replica, no authentication
+        w = Wire(sock, "server")
+        w.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0, "files": [["f", 1]]}, deadline=_soon())
+        with pytest.raises(WireError):
+            w.expect("ack", _soon())
+        w.close()
+        assert not got and os.listdir(into) == []
+    finally:
+        server.close()
+
+
+def test_peer_server_close_ends_its_threads(tmp_path):
+    server, _, _, _ = _peer(tmp_path)
+    wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+    server.close()
+    assert not server._thread.is_alive()
+    with pytest.raises(WireError):
+        wire.recv(_soon(2))
+    wire.close()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+
+
+def test_struct_prefix_is_what_the_docs_say():
+    assert PREFIX.size == 24 and struct.calcsize(">4sIQII") == 24
