@@ -253,7 +253,8 @@ class MemoryTier:
             job's memory root otherwise: an ordinary checkpoint (same files,
             checksums, manifest and commit) in host shared memory, which
             outlives the trainer (a crash, a ``torchrun`` restart on the same
-            host). One host per job for now.
+            host). On several hosts, each host's snapshots are replicated on
+            a peer host (``peer_jump``).
         keep: committed memory snapshots kept per rank (1 or 2); the tier
             holds at most this many plus the one being written.
         idle_s: the holder releases the tier once no manager was attached for

@@ -285,19 +285,23 @@ def _two_hosts(rank, world, root, shm):
     if rank == 1:  # as if rank 1 ran on another host
         tier._host_identity = lambda base: ("elsewhere", "another-boot", 0, 0)
     try:
-        nostall.CheckpointManager(root, async_save=True, timeout=30, memory_tier=_tier(shm, idle_s=600.0))
+        # two hosts and a peer_jump that maps each to itself: refused at creation (a jump of 1 would set up
+        # replication: tests/system/test_memory_multihost.py)
+        nostall.CheckpointManager(root, async_save=True, timeout=30,
+                                  memory_tier=MemoryTier(persist_every=_PERSIST, memory_dir=shm, idle_s=600.0,
+                                                         peer_jump=2))
     except MemoryTierError as e:
         base = base_dir(shm)
         return str(e), read_mark(base, job_key(root, job_id()))["pid"]
     return None
 
 
-def test_ranks_on_several_hosts_are_refused_on_every_rank_naming_the_fix(tmp_path):
+def test_a_peer_jump_mapping_a_host_to_itself_is_refused_on_every_rank_naming_the_fix(tmp_path):
     root, shm = str(tmp_path / "run"), str(tmp_path / "shm")
     os.makedirs(shm)
     got = run_ranks(2, _two_hosts, root, shm, timeout=120)
     for e, _ in got:
-        assert "2 hosts" in e and "memory_tier" in e, e
+        assert "peer_jump=2" in e and "2 hosts" in e and "set peer_jump" in e, e
     # A manager that fails to start releases nothing (a restart that fails must not delete the snapshots it came
     # to restore): the holder stays, until its idle bound (or a signal).
     holder = got[0][1]

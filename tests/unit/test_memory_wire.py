@@ -6,6 +6,7 @@ it leaves: the error's text, the connection closed, no file written.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -233,6 +234,7 @@ def test_a_replica_arrives_whole_and_acknowledged(tmp_path):
         files = send_replica(wire, save_id=SAVE, step=7, host=1, top=str(src), names=list(data), deadline=_soon(30),
                              throttle=Throttle(None))
         assert files == {n: len(b) for n, b in data.items()}
+        _until(lambda: got)  # (the server records it just after its ack)
         assert got == [Replica(SAVE, 7, 1, files)] and not errors
         for n, b in data.items():
             assert (into / SAVE / n).read_bytes() == b
@@ -305,3 +307,118 @@ def test_peer_server_close_ends_its_threads(tmp_path):
 
 def test_struct_prefix_is_what_the_docs_say():
     assert PREFIX.size == 24 and struct.calcsize(">4sIQII") == 24
+
+
+# ---------------------------------------------------------------------- two holders' relays, in one process
+def _until(check, bound: float = 20.0):
+    deadline = time.monotonic() + bound
+    while not check():
+        assert time.monotonic() < deadline, "not reached within the bound"
+        time.sleep(0.02)
+
+
+def _two_relays(tmp_path):
+    from nostall.memory.relay import Relay
+
+    ra, rb = tmp_path / "a", tmp_path / "b"
+    ra.mkdir()
+    rb.mkdir()
+    relays = [Relay(str(ra), SECRET, "127.0.0.1", 5.0), Relay(str(rb), SECRET, "127.0.0.1", 5.0)]
+    table = HostTable((0, 1), (("127.0.0.1", relays[0].port), ("127.0.0.1", relays[1].port)), 1)
+    for h, r in enumerate(relays):
+        r.configure(table, h, 1, None, 5.0)
+    return relays, str(ra), str(rb)
+
+
+def _write_rank(root, dest, rank: int, data: bytes) -> None:
+    """What rank ``rank``'s writer does in a memory save on several hosts: its file, then its held record."""
+    from nostall.core.jobs import Done
+
+    root.reserve_done(dest, rank)
+    staging = root.open_staging(dest, rank)
+    with open(os.path.join(staging, f"rank{rank}.safetensors"), "wb") as f:
+        f.write(data)
+    root.write_done(dest, rank, Done(True, rank=rank), time.monotonic() + 5)
+
+
+def test_two_relays_replicate_then_forward_the_records_then_publish_on_the_peer(tmp_path):
+    from nostall.core.jobs import Destination, Outcome
+    from nostall.memory.roots import MemoryRoot
+
+    relays, ra, rb = _two_relays(tmp_path)
+    try:
+        a, b = MemoryRoot(ra, {0}, {0, 1}), MemoryRoot(rb, {1}, {0, 1})
+        da = Destination(a, "step_5", 5, SAVE, move_latest=True, keep_last=1)
+        db = Destination(b, "step_5", 5, SAVE, move_latest=True, keep_last=1)
+        a.make_staging(da)  # rank 0's trainer, before the plan
+        a.make_records(da)
+        d0, d1 = os.urandom(5 << 20), os.urandom(3 << 20 | 5)
+        _write_rank(a, da, 0, d0)
+        rec = os.path.join(ra, ".tmp", f"commit-{SAVE}")
+        # host 0's record reaches the commit once its replica is on host 1 (host 1's own rank has not written)
+        _until(lambda: os.path.exists(os.path.join(rec, "rank0.json")))
+        assert open(os.path.join(b.staging(db), "rank0.safetensors"), "rb").read() == d0
+        assert not os.path.exists(os.path.join(rec, "rank1.json"))
+        _write_rank(b, db, 1, d1)
+        _until(lambda: all(os.path.exists(os.path.join(rec, f"rank{r}.json")) for r in (0, 1)))
+        # each host's staging holds both files before any record reached the commit
+        for top in (a.staging(da), b.staging(db)):
+            assert open(os.path.join(top, "rank0.safetensors"), "rb").read() == d0
+            assert open(os.path.join(top, "rank1.safetensors"), "rb").read() == d1
+        assert all(json.load(open(os.path.join(rec, f"rank{r}.json")))["ok"] for r in (0, 1))
+        # rank 0's writer commits on host 0 (the ordinary routine's Root calls) and announces the outcome
+        a.check_files(da, {"rank0.safetensors": len(d0), "rank1.safetensors": len(d1)})
+        manifest = b'{"format": "nostall", "step": 5}'
+        a.prepare_latest(da)
+        a.publish(da, manifest)
+        a.move_latest(da)
+        a.write_outcome(da, Outcome(True), time.monotonic() + 5)
+        # host 1 publishes the same step from the outcome and announces it to its writers
+        _until(lambda: b.outcome_of(SAVE) is True)
+        assert b.read_latest() == 5
+        assert open(os.path.join(rb, "step_5", "manifest.json"), "rb").read() == manifest
+        assert sorted(os.listdir(os.path.join(rb, "step_5"))) == ["manifest.json", "rank0.safetensors",
+                                                                   "rank1.safetensors"]
+        assert open(os.path.join(rb, "step_5", "rank0.safetensors"), "rb").read() == d0
+        assert not os.path.exists(os.path.join(rb, ".tmp", f"replica-{SAVE}"))
+    finally:
+        for r in relays:
+            r.close()
+
+
+def test_a_peer_gone_fails_the_save_on_host_0_without_a_commit(tmp_path):
+    from nostall.core.jobs import Destination
+    from nostall.memory.roots import MemoryRoot
+
+    relays, ra, rb = _two_relays(tmp_path)
+    try:
+        relays[1].close()  # host 1's holder is gone
+        a = MemoryRoot(ra, {0}, {0, 1})
+        da = Destination(a, "step_5", 5, SAVE, move_latest=True, keep_last=1)
+        a.make_staging(da)
+        a.make_records(da)
+        _write_rank(a, da, 0, b"x" * 100)
+        rec = os.path.join(ra, ".tmp", f"commit-{SAVE}", "rank0.json")
+        _until(lambda: os.path.exists(rec))
+        got = json.load(open(rec))
+        assert got["ok"] is False and "replica of host 0 (ranks [0]) on host 1 failed" in got["error"], got
+        assert a.steps() == [] and a.read_latest() is None
+    finally:
+        for r in relays:
+            r.close()
+
+
+def test_memory_root_checks_only_the_files_its_host_holds(tmp_path):
+    from nostall.core.jobs import Destination
+    from nostall.errors import CheckpointSaveError
+    from nostall.memory.roots import MemoryRoot
+
+    root = MemoryRoot(str(tmp_path / "m"), {2, 3}, {2, 3, 0, 1})
+    d = Destination(root, "step_1", 1, SAVE, move_latest=True)
+    root.ensure_save(d)
+    for r in (0, 1, 2, 3):
+        (tmp_path / "m" / ".tmp" / f"save-{SAVE}" / f"rank{r}.safetensors").write_bytes(b"ab")
+    root.check_files(d, {f"rank{r}.safetensors": 2 for r in range(8)})  # ranks 4-7: vouched for by their records
+    with pytest.raises(CheckpointSaveError, match="rank3.safetensors is missing"):
+        os.unlink(tmp_path / "m" / ".tmp" / f"save-{SAVE}" / "rank3.safetensors")
+        root.check_files(d, {f"rank{r}.safetensors": 2 for r in range(8)})

@@ -54,6 +54,7 @@ import time
 from typing import Dict, List, Optional
 
 from nostall.storage.root import lkind
+from nostall.memory.relay import Relay, holder_op
 from nostall.memory.rendezvous import PROTOCOL, log_path, mark_path, nostall_version, read_mark, send, socket_name
 
 log = logging.getLogger("nostall")
@@ -83,6 +84,7 @@ class Holder:
         self.idle_since: Optional[float] = time.monotonic()  # nobody attached since then
         self.stop: Optional[str] = None  # why it stops (release, idle, a signal): then it deletes the root
         self.mark_fd: Optional[int] = None
+        self.relay: Optional[Relay] = None  # a job on several hosts: replicas, records, outcomes (memory/relay.py)
 
     # ------------------------------------------------------------------ start
     def start(self) -> int:
@@ -211,7 +213,7 @@ class Holder:
 
     def _handle(self, conn: socket.socket, msg: Dict[str, object]) -> None:
         op = msg.get("op")
-        if op in ("attach", "release") and msg.get("token") != self.token:
+        if op in ("attach", "release", "listen", "peers") and msg.get("token") != self.token:
             raise ValueError(f"{op} without the mark's token")  # the connection is dropped
         if op == "attach":
             rank = msg.get("rank")
@@ -227,6 +229,9 @@ class Holder:
                 self.released += 1
             self._reply(conn, {"ok": True})
             self._left()
+        elif op in ("listen", "peers"):  # a job on several hosts (memory/relay.py)
+            self.relay, answer = holder_op(self.relay, self.root, msg)
+            self._reply(conn, answer)
         elif op == "status":
             ranks: List[int] = sorted(self.attached.values())
             self._reply(conn, {"ok": True, "pid": os.getpid(), "root": self.root, "attached": ranks,
@@ -292,6 +297,9 @@ class Holder:
 
     def close_connections(self) -> None:
         """Close the listener first (a reattaching trainer finds no holder and starts one), then every client."""
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.listener is not None:
             try:
                 self.sel.unregister(self.listener)

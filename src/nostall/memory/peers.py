@@ -31,7 +31,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 from nostall.memory.rendezvous import MemoryTierError
 from nostall.memory.wire import Throttle, Wire, WireError, accept_peer
-from nostall.storage.files import _parts, open_dir_beneath, unlink_beneath
+from nostall.storage.files import open_dir_beneath, plain_parts, unlink_beneath
 
 log = logging.getLogger("nostall")
 
@@ -144,7 +144,7 @@ class Replica:
 
 def _open_new(top: str, rel: str) -> int:
     """Create the regular file ``top/rel`` (folders made as needed), nothing followed, refusing one that exists."""
-    parts = _parts(rel)
+    parts = plain_parts(rel)
     fd = open_dir_beneath(top)
     try:
         for part in parts[:-1]:
@@ -170,7 +170,7 @@ def send_replica(wire: Wire, *, save_id: str, step: int, host: int, top: str, na
     fds: List[int] = []
     try:
         for n in names:
-            parts = _parts(n)
+            parts = plain_parts(n)
             d = open_dir_beneath(top, parts[:-1])
             try:
                 f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=d)
@@ -202,9 +202,10 @@ def send_replica(wire: Wire, *, save_id: str, step: int, host: int, top: str, na
 
 
 def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[str, int], str],
-                    deadline: float) -> Replica:
+                    deadline: float, before_ack: Optional[Callable[[Replica], None]] = None) -> Replica:
     """Receive the replica that the ``{"op": "replica"}`` frame ``header`` announces into ``directory(save_id,
-    step)`` (made by the caller, marked as nostall's); acknowledge it once every byte is written. Anything
+    step)`` (made by the caller, marked as nostall's); acknowledge it once every byte is written (and
+    ``before_ack`` returned: the caller moves the files where they belong). Anything
     wrong (a name that leaves the directory, a file that exists, a frame out of order, a short file) is sent
     back as an error, the files written so far are removed, and :class:`WireError` raised."""
     written: List[str] = []
@@ -221,7 +222,7 @@ def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[
                     and isinstance(item[1], int) and item[1] >= 0):
                 raise WireError(f"{wire.where} announced a malformed file in the replica of save {save_id}: {item!r}")
             try:
-                _parts(item[0])
+                plain_parts(item[0])
             except OSError:
                 raise WireError(f"{wire.where} announced a file name that is not plain and relative: "
                                 f"{item[0]!r}") from None
@@ -242,8 +243,11 @@ def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[
             finally:
                 os.close(fd)
         wire.expect("end", deadline)
+        replica = Replica(save_id, step, host, files)
+        if before_ack is not None:
+            before_ack(replica)
         wire.send({"op": "ack", "save_id": save_id, "files": [[n, z] for n, z in files.items()]}, deadline=deadline)
-        return Replica(save_id, step, host, files)
+        return replica
     except (WireError, OSError, MemoryTierError) as e:
         for n in written:
             unlink_beneath(top, n)

@@ -2,12 +2,13 @@
 
 docs/protocol.md, "Memory tier". One :class:`Tiers` per manager with
 ``Options.memory_tier``: it attaches to the job's holder on this host
-(starting it if none runs), refuses ranks on several hosts (a later slice),
-claims the memory root on rank 0 (which removes what a crashed memory save
-left there), routes the saves that are not persistent to the memory root, and
-at restore picks the newest step that is committed in every rank's memory
-root when it is newer than the persistent root's latest. This module does not
-import torch.
+(starting it if none runs), sets up the holders of a job on several hosts
+(:mod:`nostall.memory.hosts`: replicas on peer hosts), claims the memory
+root on rank 0 (which removes what a crashed memory save left there),
+routes the saves that are not persistent to the memory root, and at restore
+picks the newest step complete in the memory tier (on every rank's host, or
+across hosts) when it is newer than the persistent root's latest. This
+module does not import torch.
 """
 
 from __future__ import annotations
@@ -15,18 +16,21 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from nostall.core.jobs import Destination
 from nostall.errors import CheckpointLoadError
+from nostall.memory.hosts import join_hosts
 from nostall.memory.rendezvous import HolderLink, MemoryTierError, base_dir, ensure_holder, job_id, job_key
 from nostall.options import Options
 from nostall.planning.comm import Comm
 from nostall.storage.posix import PosixRoot
-from nostall.storage.root import Claim, step_name
+from nostall.storage.files import lstat_beneath
+from nostall.storage.root import Claim, listed, step_name
 
 log = logging.getLogger("nostall")
 
@@ -37,7 +41,8 @@ __all__ = ["Tiers", "Restored", "MemoryTierError"]
 class Restored:
     """How one rank's last ``load()`` of a manager with a memory tier went (``mgr.last_restore``).
 
-    ``tier``: ``"memory"`` or ``"persistent"``. ``bytes_read``: data-file
+    ``tier``: ``"memory"`` (this rank's host held every file of the step), ``"peer"`` (several hosts: some
+    of its pieces came from ranks whose host held them) or ``"persistent"``. ``bytes_read``: data-file
     bytes this rank read from that tier (None when the load does not say: a
     state-dict load). ``persistent_bytes_read``: those read from the
     persistent root (0 for a memory restore: its data files are not opened).
@@ -65,6 +70,32 @@ def _host_identity(base: str) -> Tuple[str, str, int, int]:
     return socket.gethostname(), boot, st.st_dev, st.st_ino
 
 
+def complete_step(every: Sequence[Tuple[Optional[int], Optional[Tuple[List[str], List[str]]]]]
+                  ) -> Tuple[Optional[int], bool]:
+    """Several hosts: the newest memory step whose every listed file some rank's host holds (each rank's latest
+    committed memory step, with the files its manifest lists and those held there), and whether some rank's
+    host lacks files of it (a restore then needs its peers' copies). (None, False) when no step is complete.
+
+    >>> full = (["rank0.safetensors", "rank1.safetensors"],) * 2
+    >>> complete_step([(5, full), (None, None)])        # a replacement host: its files are held by the other
+    (5, True)
+    >>> complete_step([(5, full), (5, full)])
+    (5, False)
+    >>> complete_step([(5, (full[0], ["rank0.safetensors"])), (4, full)])
+    (4, True)
+    """
+    for step in sorted({m for m, _ in every if m is not None}, reverse=True):
+        holders = [h for m, h in every if m == step and h is not None]
+        if not holders or not holders[0][0]:
+            continue
+        need = set(holders[0][0])
+        held = set().union(*(set(h[1]) for h in holders))
+        if need <= held:
+            partial = any(m != step or h is None or set(h[1]) != need for m, h in every)
+            return step, partial
+    return None, False
+
+
 class Tiers:
     """A manager's memory tier (collective to create: every rank of ``comm``)."""
 
@@ -77,6 +108,10 @@ class Tiers:
         self._claim: Optional[Claim] = None
         self._proc: Optional[subprocess.Popen] = None
         self._link: Optional[HolderLink] = None
+        self._drops = comm.rank == 0  # this rank drops the snapshots newer than a step loaded, on its host
+        self.multi = False  # ranks on several hosts (a MemoryRoot per host, replicas on peers)
+        self.partial = False  # the last freshest(): some rank's host lacks files of the memory step
+        self._complete_here = True  # ... and whether this rank's host holds every file of it
         error: Optional[str] = None
         ident: Any = None
         try:
@@ -97,12 +132,13 @@ class Tiers:
             if errors:
                 raise MemoryTierError(f"the memory tier (persist_every={self.persist_every}) cannot start: "
                                       f"{'; '.join(errors)}")
-            hosts = {i for _, i in every}
-            if len(hosts) > 1:
-                raise MemoryTierError(
-                    f"the memory tier (persist_every={self.persist_every}) keeps a job's snapshots on one host in "
-                    f"this version, and the ranks of this job run on {len(hosts)} hosts (peer replication, which "
-                    "extends it to several, is not built yet): drop memory_tier for this job")
+            idents = [i for _, i in every]
+            assert self._link is not None  # (no error on any rank)
+            multi = join_hosts(comm, self._link, idents, settings, self.root.url, options.timeout)
+            if multi is not None:  # several hosts: records wait for the replica (docs/protocol.md, "Memory tier")
+                self.root = multi
+                self.multi = True
+                self._drops = comm.rank == min(multi.own)
             if comm.rank == 0:
                 claim = self.root.claim()  # also removes what a crashed memory save left in the memory root
                 if not claim.held:
@@ -133,28 +169,41 @@ class Tiers:
     # ------------------------------------------------------------------ restore
     def restore(self, persistent_latest: Callable[[], Optional[int]], load_memory: Callable[[str], Any],
                 load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]],
-                path_of: Callable[[int], str]) -> Tuple[Any, Restored]:
+                path_of: Callable[[int], str],
+                load_partial: Optional[Callable[[str], Any]] = None) -> Tuple[Any, Restored]:
         """Load from the freshest complete tier (collective): the memory root's latest committed step, the same
         on every rank, when it is newer than the persistent root's latest (rank 0's view of it), else the
         persistent root; a memory load that fails on any rank makes every rank fall back to the persistent
-        root. Snapshots newer than the step restored are then dropped (:meth:`drop_newer`)."""
+        root. Snapshots newer than the step restored are then dropped (:meth:`drop_newer`).
+
+        Several hosts: the newest step complete across the hosts' memory roots (:func:`complete_step`); when
+        some rank's host lacks files of it, every rank loads it with ``load_partial`` (each from its own host's
+        copy, the pieces it lacks sent by ranks that hold them: tier ``"peer"`` on the ranks that lacked some),
+        and without ``load_partial`` the persistent root is restored."""
         comm = self.comm
         t0 = time.perf_counter()
         step, latest = self.freshest(persistent_latest)
         fell_back: Optional[str] = None
+        partial = self.partial
+        if step is not None and step != latest and partial and load_partial is None:
+            fell_back = (f"memory step {step} is complete only across hosts (a host lacks some of its files) and "
+                         "this load cannot take pieces from peers")
+            log.warning("rank %d: %s: restoring from the persistent root (latest: %s)", comm.rank, fell_back, latest)
+            step = latest
         if step is not None and step != latest:
             path = self.root.path(step_name(step))
             error: Optional[str] = None
             result: Any = None
+            tier = "peer" if partial and not self._complete_here else "memory"
             try:
-                result = load_memory(path)
+                result = load_partial(path) if partial and load_partial is not None else load_memory(path)
             except Exception as e:  # any failure: every rank must agree before falling back
                 error = f"rank {comm.rank}: {type(e).__name__}: {e}"
             errors = [e for e in (comm.all_gather(error) if comm.size > 1 else [error]) if e]
             if not errors:
-                restored = Restored("memory", step, path, bytes_of(result), 0, time.perf_counter() - t0)
-                log.info("rank %d: restored step %d from the memory tier (%s) in %.3fs, 0 bytes from the persistent "
-                         "root", comm.rank, step, path, restored.seconds)
+                restored = Restored(tier, step, path, bytes_of(result), 0, time.perf_counter() - t0)
+                log.info("rank %d: restored step %d from the memory tier (%s, %s) in %.3fs, 0 bytes from the "
+                         "persistent root", comm.rank, step, tier, path, restored.seconds)
                 self.drop_newer(step)
                 return result, restored
             fell_back = "; ".join(errors)
@@ -186,25 +235,50 @@ class Tiers:
         mine: Optional[int] = None
         latest: Optional[int] = None
         error: Optional[str] = None
+        holding: Optional[Tuple[List[str], List[str]]] = None
         try:
             mine = self.root.latest_step()
             latest = persistent_latest() if comm.rank == 0 else None
+            if self.multi and mine is not None:
+                holding = self._holding(mine)
         except Exception as e:  # every rank must learn it: the others would wait in the exchange below
             error = f"rank {comm.rank}: {type(e).__name__}: {e}"
-        every = comm.all_gather((mine, latest, error)) if comm.size > 1 else [(mine, latest, error)]
-        errors = [e for _, _, e in every if e]
+        every = comm.all_gather((mine, latest, error, holding)) if comm.size > 1 else [(mine, latest, error, holding)]
+        errors = [e for _, _, e, _ in every if e]
         if errors:
             raise CheckpointLoadError(f"the freshest checkpoint of the memory tier ({self.root.url}) and the "
                                       f"persistent root cannot be found: {'; '.join(errors)}")
         latest = every[0][1]
-        seen = {m for m, _, _ in every}
-        if len(seen) > 1:
-            log.warning("rank %d: the ranks see different latest memory steps (%s): the memory tier is not used for "
-                        "this restore", comm.rank, sorted(seen, key=lambda m: -1 if m is None else m))
-        memory = every[0][0] if len(seen) == 1 else None
+        self.partial = False
+        seen = {m for m, _, _, _ in every}
+        if self.multi:
+            memory, self.partial = complete_step([(m, h) for m, _, _, h in every])
+            self._complete_here = mine == memory and holding is not None and set(holding[1]) == set(holding[0])
+        else:
+            if len(seen) > 1:
+                log.warning("rank %d: the ranks see different latest memory steps (%s): the memory tier is not used "
+                            "for this restore", comm.rank, sorted(seen, key=lambda m: -1 if m is None else m))
+            memory = every[0][0] if len(seen) == 1 else None
         if memory is not None and (latest is None or memory > latest):
             return memory, latest
+        self.partial = False
         return latest, latest
+
+    def _holding(self, step: int) -> Tuple[List[str], List[str]]:
+        """(the files the manifest of memory step ``step`` lists, those this host holds: regular files of the
+        listed size, nothing followed; stat only)."""
+        name = step_name(step)
+        m = self.root.manifest(name)
+        if m is None:
+            return [], []
+        need = listed(m)
+        sizes = {n: f.size for n, f in m.files.items()}
+        have = []
+        for n in need:
+            st = lstat_beneath(self.root.path(name), n)
+            if st is not None and stat.S_ISREG(st.st_mode) and (n not in sizes or st.st_size == sizes[n]):
+                have.append(n)
+        return need, have
 
     def drop_newer(self, step: int) -> None:
         """After a load restored ``step``: rank 0 deletes the committed memory snapshots newer than it (a timeline
@@ -212,7 +286,7 @@ class Tiers:
         checkpoints nostall committed are deleted (``delete_step`` leaves anything else alone). Failures are
         logged, not raised: the load is done; such a snapshot stays below the memory root's ``latest``, which
         the next memory save moves."""
-        if self.comm.rank != 0:
+        if not self._drops:
             return
         try:
             newer = [s for s in self.root.steps() if s > step]

@@ -297,7 +297,10 @@ def remove_tree(path: str) -> None:
 # --------------------------------------------------------------------------- beneath a directory, no link followed
 
 
-def _parts(rel: str) -> List[str]:
+def plain_parts(rel: str) -> List[str]:
+    """The components of ``rel``, a plain relative file name (no empty, ``.`` or ``..`` component, not absolute);
+    ``OSError(EINVAL)`` otherwise. Every name reached *beneath* a directory is checked by it (also the names a
+    memory tier's peer sends, memory/peers.py)."""
     parts = rel.split("/")
     if not rel or any(p in ("", ".", "..") for p in parts):
         raise OSError(errno.EINVAL, "not a plain relative file name", rel)
@@ -327,7 +330,7 @@ def open_dir_beneath(top: str, folders: Sequence[str] = ()) -> int:
 def lstat_beneath(top: str, rel: str) -> Optional[os.stat_result]:
     """``lstat`` of ``top/rel`` reached without following any link; None when it is absent or any
     folder on the way is a link or not a directory (then it is not the file that name means here)."""
-    parts = _parts(rel)
+    parts = plain_parts(rel)
     try:
         fd = open_dir_beneath(top, parts[:-1])
     except OSError:
@@ -344,7 +347,7 @@ def unlink_beneath(top: str, rel: str) -> bool:
     """Delete the regular file ``top/rel`` (nothing followed on the way), then each folder of ``rel``
     it leaves empty. False (nothing deleted) when it is absent, not a regular file, or reached only
     through a link."""
-    parts = _parts(rel)
+    parts = plain_parts(rel)
     try:
         fd = open_dir_beneath(top, parts[:-1])
     except OSError:
@@ -373,7 +376,7 @@ def unlink_beneath(top: str, rel: str) -> bool:
 
 def link_beneath(top: str, rel: str, dst: str) -> None:
     """Hard-link the regular file ``top/rel`` (reached without following any link) as ``dst``."""
-    parts = _parts(rel)
+    parts = plain_parts(rel)
     fd = open_dir_beneath(top, parts[:-1])
     try:
         if not stat.S_ISREG(os.lstat(parts[-1], dir_fd=fd).st_mode):
@@ -386,7 +389,7 @@ def link_beneath(top: str, rel: str, dst: str) -> None:
 def read_beneath(top: str, rel: str, start: int, into: memoryview) -> None:
     """Read ``len(into)`` bytes of the regular file ``top/rel`` at ``start`` into ``into``, the file reached
     without following any link."""
-    parts = _parts(rel)
+    parts = plain_parts(rel)
     fd = open_dir_beneath(top, parts[:-1])
     try:
         f = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0),
