@@ -167,34 +167,39 @@ def _common(tmp_path, net, job: str) -> Dict[str, Any]:
 
 
 @pytest.mark.timeout(600)
-def test_two_hosts_commit_with_the_replica_and_restore_from_own_memory(tmp_path):
+@pytest.mark.parametrize("per_host", [1, 2])
+def test_two_hosts_commit_with_the_replica_and_restore_from_own_memory(tmp_path, per_host):
     from tests.netns_hosts import HostNet
 
+    world = 2 * per_host
     with HostNet(2, str(tmp_path)) as net:
         a, b = net.hosts
         logs = str(tmp_path / "logs")
         os.makedirs(logs)
         common = _common(tmp_path, net, "mh1")
         out1 = str(tmp_path / "out1")
-        job = Job([a, b], 1, {**common, "mode": "save", "first": 1, "last": 3, "die": True, "out": out1}, logs, "save")
+        job = Job([a, b], per_host, {**common, "mode": "save", "first": 1, "last": 3, "die": True, "out": out1},
+                  logs, "save")
         codes = job.wait()
-        assert codes == [-signal.SIGKILL] * 2, job.tails()
-        got = _results(out1, 2)
+        assert codes == [-signal.SIGKILL] * world, job.tails()
+        got = _results(out1, world)
         for g in got:
             assert g["failed"] == {} and g["memory_steps"] == [3] and g["memory_latest"] == 3, (g, job.tails())
-        ra, rb = _memory_root(a, got[0], net), _memory_root(b, got[1], net)
+        ra, rb = _memory_root(a, got[0], net), _memory_root(b, got[-1], net)
         # one step, on both hosts: every rank's file (own and replica), bytes equal, the same manifest
-        for name in ("manifest.json", "rank0.safetensors", "rank1.safetensors"):
+        names = ["manifest.json"] + [f"rank{r}.safetensors" for r in range(world)]
+        assert sorted(os.listdir(os.path.join(ra, "step_3"))) == sorted(names)
+        assert sorted(os.listdir(os.path.join(rb, "step_3"))) == sorted(names)
+        for name in names:
             with open(os.path.join(ra, "step_3", name), "rb") as fa, open(os.path.join(rb, "step_3", name), "rb") as fb:
                 assert fa.read() == fb.read(), name
-        assert sorted(os.listdir(os.path.join(ra, "step_3"))) == sorted(os.listdir(os.path.join(rb, "step_3")))
         assert not os.path.exists(os.path.join(str(tmp_path / "run"), "step_3"))  # memory only
         # the trainers died; the holders did not: the job restarts and restores from its own hosts' memory
         assert all(h.pids() for h in (a, b))
         out2 = str(tmp_path / "out2")
-        job = Job([a, b], 1, {**common, "mode": "restore", "out": out2}, logs, "restore")
-        assert job.wait() == [0, 0], job.tails()
-        for g in _results(out2, 2):
+        job = Job([a, b], per_host, {**common, "mode": "restore", "out": out2}, logs, "restore")
+        assert job.wait() == [0] * world, job.tails()
+        for g in _results(out2, world):
             assert (g["step"], g["tier"], g["exact"], g["persistent_bytes_read"]) == (3, "memory", True, 0), g
         # a clean close on every rank releases both holders: nothing of the job is left on either host
         assert _wait_no_pids(net) == {}
