@@ -23,8 +23,10 @@ import json
 import os
 import re
 import time
+import uuid
 from typing import AbstractSet, Any, Dict, Mapping, Optional, Tuple
 
+from nostall.core.format import MANIFEST_NAME
 from nostall.core.jobs import Destination, Done
 from nostall.storage import files as storage
 from nostall.storage.posix import PosixRoot
@@ -178,6 +180,16 @@ class MemoryRoot(PosixRoot):
         if not (self._proven(path, save_id) and lkind(path) is not None):
             self._make_ours(path, save_id)
         return path
+
+    def manifest_copy(self, manifest: bytes) -> Tuple[str, str]:
+        """A host whose memory root lacks a step a restore loads (a replacement host): a directory of its own
+        holding only the step's ``manifest`` (marked, under ``.tmp``), this rank's copy of the step for a load
+        that takes every piece it lacks from peers. Returns (its path, its id for :meth:`drop_replica_dir`)."""
+        self._check_before_save()
+        rid = uuid.uuid4().hex
+        d = self.replica_dir(rid)
+        storage.atomic_write(os.path.join(d, MANIFEST_NAME), manifest)
+        return d, rid
 
     def drop_replica_dir(self, save_id: str) -> None:
         self._remove_ours(self._tmp("replica", save_id), save_id)

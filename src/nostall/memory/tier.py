@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from nostall.core.jobs import Destination
 from nostall.errors import CheckpointLoadError
 from nostall.memory.hosts import join_hosts
+from nostall.memory.roots import MemoryRoot
 from nostall.memory.rendezvous import HolderLink, MemoryTierError, base_dir, ensure_holder, job_id, job_key
 from nostall.options import Options
 from nostall.planning.comm import Comm
@@ -195,10 +196,19 @@ class Tiers:
             error: Optional[str] = None
             result: Any = None
             tier = "peer" if partial and not self._complete_here else "memory"
+            made: Optional[str] = None
             try:
-                result = load_partial(path) if partial and load_partial is not None else load_memory(path)
+                if partial and load_partial is not None:
+                    path, made = self._own_copy(step)
+                    result = load_partial(path)
+                else:
+                    result = load_memory(path)
             except Exception as e:  # any failure: every rank must agree before falling back
                 error = f"rank {comm.rank}: {type(e).__name__}: {e}"
+            finally:
+                if made is not None:
+                    assert isinstance(self.root, MemoryRoot)
+                    self.root.drop_replica_dir(made)
             errors = [e for e in (comm.all_gather(error) if comm.size > 1 else [error]) if e]
             if not errors:
                 restored = Restored(tier, step, path, bytes_of(result), 0, time.perf_counter() - t0)
@@ -263,6 +273,26 @@ class Tiers:
             return memory, latest
         self.partial = False
         return latest, latest
+
+    def _own_copy(self, step: int) -> Tuple[str, Optional[str]]:
+        """Several hosts, a restore of ``step`` that takes pieces from peers (collective): this rank's copy of the
+        step: its host's ``step_N`` when that has the manifest, else a directory holding only the manifest
+        (broadcast by the lowest rank whose host has it; :meth:`MemoryRoot.manifest_copy`), with its id to drop
+        after the load."""
+        root = self.root
+        assert isinstance(root, MemoryRoot)
+        name = step_name(step)
+        try:
+            raw = root.manifest_bytes(name) if step in root.steps() else None
+        except Exception:  # (taken as absent here: every rank must reach the exchanges below)
+            raw = None
+        src = next((r for r, has in enumerate(self.comm.all_gather(raw is not None)) if has), -1)
+        if src < 0:  # (the same on every rank)
+            raise CheckpointLoadError(f"no host holds the manifest of memory step {step} any more")
+        manifest = self.comm.broadcast(raw if self.comm.rank == src else None, src)
+        if raw is not None:
+            return root.path(name), None
+        return root.manifest_copy(manifest)
 
     def _holding(self, step: int) -> Tuple[List[str], List[str]]:
         """(the files the manifest of memory step ``step`` lists, those this host holds: regular files of the
