@@ -970,25 +970,32 @@ class CheckpointManager:
             return result
 
     def _load_locked(self, training: Optional[Training], state: Any, path: Any, step: Optional[int], strict: bool,
-                     verify: bool, per_rank: str) -> Any:
-        """load(), lock held, pending saves settled: checkpoint ``path`` or ``step`` of this manager's root."""
+                     verify: bool, per_rank: str, own_copies: bool = False) -> Any:
+        """load(), lock held, pending saves settled: checkpoint ``path`` or ``step`` of this manager's root.
+
+        ``own_copies`` (internal: the memory tier's restore across hosts; the same on every rank): each rank's
+        ``path`` is its own copy of one checkpoint, which may lack data files; what a rank's copy lacks is read
+        by a rank whose copy has it and sent over the group (a collective load whatever ``shared_loads`` says;
+        docs/protocol.md, "Loading")."""
+        shared = self._shared_loads or (own_copies and self._comm.size > 1)
         try:
             path = self._load_path(path, step)
         except CheckpointError as e:
-            if not self._shared_loads:
+            if not shared:
                 raise
-            shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e)
+            shared_manifest(self._comm, "", lambda head: state, self.options.storage_options, error=e,
+                            own_copies=own_copies)
             raise  # (on rank 0, shared_manifest raised it on every rank)
         if training is not None:
             return load_training(training, path, rank=self.rank, world_size=self.world_size, verify=verify,
                                  per_rank=per_rank, storage_options=self.options.storage_options,
-                                 timeout=self.options.timeout,
-                                 comm=self._comm if self._shared_loads else None, read_once=self.options.read_once)
+                                 timeout=self.options.timeout, comm=self._comm if shared else None,
+                                 read_once=self.options.read_once, own_copies=own_copies)
         manifest = files = None
-        if self._shared_loads:  # rank 0 reads the manifest, each rank gets its share
+        if shared:  # rank 0 reads the manifest, each rank gets its share
             manifest, _, files = shared_manifest(self._comm, path, lambda head: state,
                                                  self.options.storage_options, read_once=self.options.read_once,
-                                                 verify=verify, timeout=self.options.timeout)
+                                                 verify=verify, timeout=self.options.timeout, own_copies=own_copies)
         return load_state(state, path, strict=strict, rank=self._comm.rank, world_size=self._comm.size,
                           verify=verify, per_rank=per_rank, manifest=manifest, files=files,
                           storage_options=self.options.storage_options, timeout=self.options.timeout)

@@ -511,16 +511,17 @@ class Training:
 def load_training(training: Training, path: str, *, rank: int, world_size: int, verify: bool = True,
                   per_rank: str = "error", storage_options: Optional[Dict[str, Any]] = None,
                   timeout: Optional[float] = None, comm: Optional[Comm] = None,
-                  read_once: Optional[bool] = None) -> LoadedCheckpoint:
+                  read_once: Optional[bool] = None, own_copies: bool = False) -> LoadedCheckpoint:
     """Restore ``training``'s objects from the checkpoint at ``path`` (a directory or URL); strict as
     ``training.strict`` says (see :class:`Training`). ``comm``: the group loading together (rank 0 reads
     the manifest and gives each rank its share, :mod:`nostall.loading.collective`; ``read_once`` as
-    ``Options.read_once``)."""
+    ``Options.read_once``; ``own_copies``: each rank's ``path`` is its own copy, which may lack data files)."""
     files = None
     if comm is not None and comm.size > 1:
         m, template, files = shared_manifest(comm, path,
                                              lambda head: training.template(head, rank, world_size, path),
-                                             storage_options, read_once=read_once, verify=verify, timeout=timeout)
+                                             storage_options, read_once=read_once, verify=verify, timeout=timeout,
+                                             own_copies=own_copies)
     else:
         m = read_manifest(path, storage_options)
         template = training.template(m, rank, world_size, path)

@@ -27,23 +27,29 @@ import bisect
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-import nostall.errors as errors
 from nostall.core.format import Manifest, PieceRecord, RankRecord, TensorRecord
 from nostall.errors import CheckpointError, CheckpointLoadError, describe
 from nostall.loading import peers
-from nostall.loading.manifests import read_manifest
-from nostall.loading.peers import Transfer
+from nostall.loading.engine import COALESCE_GAP, block_range
+from nostall.loading.manifests import manifest_digest, read_manifest
+from nostall.loading.peers import Check, Transfer, error_from_wire, error_to_wire
 from nostall.loading.sources import DataFiles, open_files
 from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
 from nostall.core.format import gc_paused
 
-__all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "with_share", "pack", "unpack"]
+__all__ = ["shared_manifest", "ManifestIndex", "head_of", "share_of", "plan_transfers", "with_share", "pack",
+           "unpack"]
 
 Shape = Tuple[int, ...]
 Boxes = Dict[str, List[Tuple[Shape, Shape]]]
 Share = Tuple[Dict[str, Tuple[PieceRecord, ...]], Optional[RankRecord]]
 """A rank's share: its pieces by key, its per-rank record."""
+Need = Tuple[Transfer, Check]
+"""Bytes a rank's load reads, and the piece (with its key) they are of."""
+Copy = Tuple[str, Optional[str], Optional[Dict[str, str]], Optional[str]]
+"""Loading copies, what a rank reports of its copy: its path, its manifest's digest, the data files it lacks
+(with why), the error that kept it from telling (None: none; digest and files None: the rank failed)."""
 
 
 # --------------------------------------------------------------------------- manifests cut and filled (no collective)
@@ -123,14 +129,19 @@ def _meets(p: PieceRecord, box: Tuple[Shape, Shape]) -> bool:
         and all(shape) and all(p.shape)
 
 
-def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes]) -> Tuple[Share, List[Transfer]]:
+def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes], parts: bool = False, world: int = 0
+             ) -> Tuple[Share, List[Need]]:
     """Rank ``rank``'s share of the indexed manifest: the pieces overlapping ``boxes`` (None: every piece), and
     its per-rank record when the manifest has one for it; and the byte ranges of the pieces it needs whole
-    (which another rank may read for it, :mod:`nostall.loading.peers`)."""
+    (which another rank may read for it, :mod:`nostall.loading.peers`). ``parts`` (loading copies): every byte
+    range its load reads, also the blocks of the pieces its boxes meet in part and, when ``world`` is the
+    saving world size, its own per-rank pieces."""
     m = index.m
-    whole: List[Transfer] = []
+    whole: List[Need] = []
     if boxes is None:
         pieces = {k: t.pieces for k, t in m.tensors.items() if t.pieces}
+        if parts:
+            whole = [((p.file, p.start, p.end), (k, p)) for k, ps in pieces.items() for p in ps if p.end > p.start]
     else:
         pieces = {}
         tensors, exact = m.tensors, index.exact
@@ -140,11 +151,28 @@ def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes]) -> Tuple[S
             p = exact(k, bs[0]) if len(bs) == 1 else None
             if p is not None:  # a box that is a saved piece (a load in the saved layout): that piece, whole
                 pieces[k] = (p,)
-                whole.append((p.file, p.start, p.end))
+                whole.append(((p.file, p.start, p.end), (k, p)))
                 continue
             pieces[k] = ps = index.overlapping(k, bs)
-            whole += [(p.file, p.start, p.end) for p in ps if p.end > p.start and any(_contains(b, p) for b in bs)]
-    return (pieces, (m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None)), whole
+            for p in ps:
+                if p.end <= p.start:
+                    continue
+                if any(_contains(b, p) for b in bs):
+                    whole.append(((p.file, p.start, p.end), (k, p)))
+                elif parts:  # the blocks of the piece each box meeting it reads
+                    whole += [((p.file, *block_range(p, *_overlap(p, b), m.block_size)), (k, p))
+                              for b in bs if _meets(p, b)]
+    mine = m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None
+    if parts and mine is not None and world == m.world_size:
+        whole += [((p.file, p.start, p.end), (k, p)) for k, t in mine.tensors.items() for p in t.pieces
+                  if p.end > p.start]
+    return (pieces, mine), whole
+
+
+def _overlap(p: PieceRecord, box: Tuple[Shape, Shape]) -> Tuple[Shape, Shape]:
+    """The region piece ``p`` and ``box`` share (they meet): its global offset and shape."""
+    lo = tuple(max(o, po) for o, po in zip(box[0], p.offset))
+    return lo, tuple(min(o + s, po + ps) - a for o, s, po, ps, a in zip(box[0], box[1], p.offset, p.shape, lo))
 
 
 def pack(share: Share) -> Any:
@@ -178,21 +206,10 @@ def with_share(head: Manifest, share: Share, rank: int) -> Manifest:
 # --------------------------------------------------------------------------- the exchanges
 
 
-def _error(e: BaseException) -> Tuple[str, str]:
-    """An error as it travels: the name of its nostall class (CheckpointError otherwise), its message."""
-    name = type(e).__name__ if isinstance(e, CheckpointError) and hasattr(errors, type(e).__name__) else ""
-    return name or "CheckpointError", str(e) if isinstance(e, CheckpointError) else describe(e)
-
-
-def _raise(error: Tuple[str, str]) -> CheckpointError:
-    cls = getattr(errors, error[0], CheckpointError)
-    return cls(error[1]) if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError(error[1])
-
-
 def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any],
                     storage_options: Optional[Dict[str, Any]] = None, error: Optional[BaseException] = None,
-                    read_once: Optional[bool] = None, verify: bool = True, timeout: Optional[float] = None
-                    ) -> Tuple[Manifest, Any, DataFiles]:
+                    read_once: Optional[bool] = None, verify: bool = True, timeout: Optional[float] = None,
+                    own_copies: bool = False) -> Tuple[Manifest, Any, DataFiles]:
     """Both exchanges, then the transfers of what is read once (collective): ``(this rank's manifest, its
     template, its data files)``, the template built by ``template_of(head)``, the files open (the caller
     loads through them and closes them). An error building the template is raised here once the exchanges
@@ -201,6 +218,11 @@ def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any
     ``error``: this rank failed before the load could start (its path did not resolve): on rank 0 every
     rank raises it; on another rank it takes part in the exchanges, then raises it. ``read_once``: see
     ``Options.read_once`` (rank 0's decides; None: where the storage says it pays).
+
+    ``own_copies`` (the same on every rank): each rank's ``path`` is its own copy of one checkpoint, which may
+    lack data files (docs/protocol.md, "Loading"): each rank reports its manifest's digest and the files it
+    lacks, and what it reads of those comes from a rank that has them. Copies of different checkpoints, and
+    bytes no rank has, are a :class:`~nostall.CheckpointLoadError` on every rank.
     """
     from nostall.loading.reader import template_boxes
 
@@ -217,15 +239,26 @@ def shared_manifest(comm: Comm, path: str, template_of: Callable[[Manifest], Any
         template = template_of(head)
         boxes = template_boxes(template)
     except BaseException:
-        fetch_share(comm, head, index, path, None, failed=True)
+        fetch_share(comm, head, index, path, None, failed=True,
+                    copy=(path, None, None, None) if own_copies else None)
         raise
-    m, plan = fetch_share(comm, head, index, path, boxes, read_once=once)
-    files = open_files(path, m, storage_options, timeout)
+    files: Optional[DataFiles] = None
     try:
+        copy: Optional[Copy] = None
+        if own_copies:
+            files = open_files(path, head, storage_options, timeout)
+            try:
+                copy = (path, manifest_digest(path, storage_options), files.absent(), None)
+            except Exception as e:  # rank 0 refuses the load on every rank, naming this one
+                copy = (path, None, None, describe(e))
+        m, plan = fetch_share(comm, head, index, path, boxes, read_once=once, copy=copy)
+        if files is None:
+            files = open_files(path, m, storage_options, timeout)
         if plan.send or plan.recv:
-            peers.exchange(comm, plan, files, m, verify)
+            peers.exchange(comm, plan, files, m.block_size, verify)
     except BaseException:
-        files.close()
+        if files is not None:
+            files.close()
         raise
     return m, template, files
 
@@ -246,52 +279,128 @@ def fetch_head(comm: Comm, path: str, storage_options: Optional[Dict[str, Any]] 
             index = ManifestIndex(full)
             answer = (None, head_of(full))
         except Exception as e:  # every rank raises it
-            answer = (_error(e), None)
+            answer = (error_to_wire(e), None)
     failure, head = comm.broadcast(answer)
     if failure is not None:
         if error is not None:
             raise error  # rank 0's own, as it was
-        raise _raise(failure)
+        raise error_from_wire(failure)
     return head, index
 
 
 def fetch_share(comm: Comm, head: Manifest, index: Any, path: str, boxes: Optional[Boxes],
-                failed: bool = False, read_once: bool = False) -> Tuple[Manifest, peers.Plan]:
+                failed: bool = False, read_once: bool = False, copy: Optional[Copy] = None
+                ) -> Tuple[Manifest, peers.Plan]:
     """The second exchange (collective): this rank's manifest, the head with the pieces ``boxes`` need.
 
     ``failed``: this rank could not build its template (it raises its own error afterwards): it asks for
     nothing. Ranks loading checkpoints of different names are refused on every rank. ``read_once`` (rank 0's
     decides): pieces several ranks need whole are assigned to one reader each; returns this rank's part.
+    ``copy``: loading copies (given on every rank), what this rank's copy is (:data:`Copy`): copies of
+    different checkpoints are refused on every rank, and what a rank's copy lacks comes from another's.
     """
     name = path.rstrip("/").rsplit("/", 1)[-1]
-    asks = comm.gather((name, boxes, failed))
+    asks = comm.gather((name, boxes, failed, copy))
     answers: Any = None
     if asks is not None:
         answers = _answers(index, asks, read_once)
     got = comm.scatter(answers)
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str):
-        raise _raise(got)
+        raise error_from_wire(got)
     packed, plan = got
     return with_share(head, unpack(packed), comm.rank), plan
 
 
-def _answers(index: Optional[ManifestIndex], asks: Sequence[Tuple[str, Optional[Boxes], bool]], read_once: bool
-             ) -> List[Any]:
+Ask = Tuple[str, Optional[Boxes], bool, Optional[Copy]]
+"""What a rank asks of rank 0: its checkpoint's name, its boxes, whether it failed, its copy (loading copies)."""
+
+
+def _answers(index: Optional[ManifestIndex], asks: Sequence[Ask], read_once: bool) -> List[Any]:
     """Rank 0: each rank's share and its part in the transfers, or the error every rank raises."""
     assert index is not None
-    names = {a[0] for a in asks if not a[2]}  # a rank that failed named nothing it will load
-    if len(names) > 1:
-        by = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(asks) if not a[2])
-        err = ("CheckpointLoadError", f"the ranks load different checkpoints ({by}): a load over the group must name "
-               "the same checkpoint on every rank")
-        return [err] * len(asks)
+    copies = any(a[3] is not None for a in asks)
+    refused = _copies_refused(asks) if copies else _names_refused(asks)
+    if refused is not None:
+        return [("CheckpointLoadError", refused)] * len(asks)
     try:
         with gc_paused():  # millions of records, in no cycle
-            shares = [share_of(index, r, boxes) if not failed else (({}, None), []) for r, (_, boxes, failed)
-                      in enumerate(asks)]
-            plans = (peers.assign([w for _, w in shares], peers.RECEIVE_CAP) if read_once
-                     else [peers.Plan() for _ in shares])
+            world = len(asks)
+            shares = [share_of(index, r, boxes, copies, world) if not failed else (({}, None), [])
+                      for r, (_, boxes, failed, _c) in enumerate(asks)]
+            if copies or read_once:
+                absent = [None if a[2] or a[3] is None else a[3][2] for a in asks] if copies else None
+                plans = plan_transfers([w for _, w in shares], read_once, absent)
+            else:
+                plans = [peers.Plan() for _ in shares]
             return [(pack(share), plan) for (share, _), plan in zip(shares, plans)]
+    except CheckpointError as e:  # a range no rank has: every rank raises it
+        return [error_to_wire(e)] * len(asks)
     except Exception as e:  # the others wait for their share: the error must reach them
-        err = _error(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
+        err = error_to_wire(CheckpointLoadError(f"rank 0: cutting the manifest into shares failed: {describe(e)}"))
         return [err] * len(asks)
+
+
+def _names_refused(asks: Sequence[Ask]) -> Optional[str]:
+    """Why the ranks' load is refused: they name checkpoints of different names (None: they do not)."""
+    names = {a[0] for a in asks if not a[2]}  # a rank that failed named nothing it will load
+    if len(names) <= 1:
+        return None
+    by = "; ".join(f"rank {r}: {a[0]}" for r, a in enumerate(asks) if not a[2])
+    return (f"the ranks load different checkpoints ({by}): a load over the group must name the same checkpoint "
+            "on every rank")
+
+
+def _copies_refused(asks: Sequence[Ask]) -> Optional[str]:
+    """Loading copies, why the load is refused: a rank could not tell what its copy is, or the copies' manifests
+    differ (rank 0's is the reference); None: they are copies of one checkpoint."""
+    copies = [(r, a[3]) for r, a in enumerate(asks) if not a[2] and a[3] is not None]
+    failed = [f"rank {r} ({c[0]}): {c[3]}" for r, c in copies if c[3] is not None]
+    if failed:
+        return (f"the copies of the checkpoint cannot be loaded: {'; '.join(failed[:8])}"
+                f"{'; ...' if len(failed) > 8 else ''}: restore them, or load another copy (another tier)")
+    by: Dict[str, List[Tuple[int, str]]] = {}
+    for r, c in copies:
+        by.setdefault(c[1] or "", []).append((r, c[0]))
+    if len(by) <= 1:
+        return None
+    groups = "; ".join(f"{peers.ranks_text([r for r, _ in rs])} (e.g. {rs[0][1]}): manifest sha256 {d[:16]}"
+                       for d, rs in by.items())
+    return (f"the ranks' copies are not copies of one checkpoint, their manifests differ ({groups}): a load of "
+            "copies needs every rank's copy of the same checkpoint (rank 0's is the reference); give each rank a "
+            "copy of it, or load another checkpoint")
+
+
+def plan_transfers(needs: Sequence[Sequence[Need]], once: bool, absent: Optional[Sequence[Optional[Dict[str, str]]]]
+           ) -> List[peers.Plan]:
+    """Each rank's part in the transfers (:func:`peers.assign`), each send with the pieces its reader checks.
+    Loading copies (``absent`` given), a rank's ranges of one file within :data:`~nostall.loading.engine.
+    COALESCE_GAP` of each other are one range: the spans the read engine reads (it coalesces such ranges) are
+    then held whole by a rank that lacks the file."""
+    checks: Dict[Transfer, Dict[Tuple[str, int], Check]] = {}
+    wants: List[List[Transfer]] = []
+    for ns in needs:
+        mine: List[Transfer] = []
+        cur: Optional[List[Any]] = None  # [file, lo, hi, checks]
+        for t, c in sorted(ns, key=lambda n: n[0]) if absent is not None else ns:
+            if absent is not None and cur is not None and cur[0] == t[0] and t[1] <= cur[2] + COALESCE_GAP:
+                cur[2] = max(cur[2], t[2])
+                cur[3].append(c)
+                continue
+            if cur is not None:
+                mine.append(_noted((cur[0], cur[1], cur[2]), cur[3], checks))
+            cur = [t[0], t[1], t[2], [c]]
+        if cur is not None:
+            mine.append(_noted((cur[0], cur[1], cur[2]), cur[3], checks))
+        wants.append(mine)
+    plans = peers.assign(wants, peers.RECEIVE_CAP, absent, once)
+    for plan in plans:
+        plan.checks = {n: tuple(checks[t].values()) for n, t, _ in plan.send}
+    return plans
+
+
+def _noted(t: Transfer, cs: Sequence[Check], checks: Dict[Transfer, Dict[Tuple[str, int], Check]]) -> Transfer:
+    """``t``, with the pieces it holds blocks of noted in ``checks``."""
+    into = checks.setdefault(t, {})
+    for key, p in cs:
+        into.setdefault((key, p.start), (key, p))
+    return t

@@ -120,11 +120,28 @@ def _needs(r: Read, bs: int, shared: bool, window: int) -> Iterator[_Need]:
             yield _Need(r, piece.start, piece.end, 0, strides, True, False)
             return
     for c in _chunks(r, strides, isz, max(isz, window - bs)):
-        first = sum((c.box_off[d] - piece.offset[d]) * strides[d] for d in range(len(strides)))
-        last = first + sum((n - 1) * s for n, s in zip(c.box_shape, strides)) + 1
-        lo = (first * isz) // bs * bs
-        hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
-        yield _Need(c, piece.start + lo, piece.start + hi, first, strides)
+        first, lo, hi = _block_range(piece, strides, isz, c.box_off, c.box_shape, bs)
+        yield _Need(c, lo, hi, first, strides)
+
+
+def _block_range(piece: PieceRecord, strides: Shape, isz: int, off: Shape, shape: Shape, bs: int
+                 ) -> Tuple[int, int, int]:
+    """The region ``off`` + ``shape`` (global, inside ``piece``, not empty): its first element in the piece, and
+    the bytes of the file from the checksum block holding that element to the end of the one holding its last."""
+    first = sum((off[d] - piece.offset[d]) * strides[d] for d in range(len(strides)))
+    last = first + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    lo = (first * isz) // bs * bs
+    hi = min(-(-(last * isz) // bs) * bs, piece.nbytes)
+    return first, piece.start + lo, piece.start + hi
+
+
+def block_range(piece: PieceRecord, off: Shape, shape: Shape, bs: int) -> Tuple[int, int]:
+    """The bytes ``[lo, hi)`` of its file that a load of the region ``off`` + ``shape`` (global, inside ``piece``,
+    not empty) reads: whole checksum blocks, from the one holding its first element to the one holding its last
+    (what every read of the region here stays within; :mod:`nostall.loading.collective` asks for them)."""
+    isz = piece.nbytes // max(1, numel(piece.shape))
+    _, lo, hi = _block_range(piece, _strides(piece.shape), isz, off, shape, bs)
+    return lo, hi
 
 
 def _chunks(r: Read, strides: Shape, isz: int, target: int) -> Iterator[Read]:

@@ -9,6 +9,7 @@ file, checked as docs/format.md says. Every file is reached through the checkpoi
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Dict, List, Optional
 
 from nostall.core.format import MANIFEST_NAME, MAX_SIDE_FILE_BYTES, Manifest, SideFileRecord, crc
@@ -16,7 +17,7 @@ from nostall.errors import CheckpointCorruptError, CheckpointNotFoundError
 from nostall.loading.sources import open_files
 from nostall.storage.locate import open_root, split_checkpoint
 
-__all__ = ["read_manifest", "read_side_file", "referenced_file_problems", "side_file_location"]
+__all__ = ["read_manifest", "manifest_digest", "read_side_file", "referenced_file_problems", "side_file_location"]
 
 
 def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> Manifest:
@@ -26,6 +27,16 @@ def read_manifest(path: str, storage_options: Optional[Dict[str, Any]] = None) -
     if raw is None:
         raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options))
     return Manifest.from_json_bytes(raw, root.path(f"{name}/{MANIFEST_NAME}"))
+
+
+def manifest_digest(path: str, storage_options: Optional[Dict[str, Any]] = None) -> str:
+    """The SHA-256 (hex) of the manifest's bytes of the committed checkpoint at ``path``, read and not parsed: what
+    tells copies of one checkpoint from others (:mod:`nostall.loading.collective`, loading copies)."""
+    root, name = split_checkpoint(path, storage_options)
+    raw = root.load_manifest_bytes(name)
+    if raw is None:
+        raise CheckpointNotFoundError(_not_a_checkpoint(path, storage_options))
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _not_a_checkpoint(path: str, storage_options: Optional[Dict[str, Any]] = None) -> str:

@@ -69,6 +69,18 @@ class DataFiles:
             self.open[name] = f
         return f
 
+    def absent(self) -> Dict[str, str]:
+        """The data files of the manifest that are not there as listed, each with why (missing, not a regular file
+        or behind a link, of another size): each opened and checked as a read opens it, nothing read; those
+        there stay open for the load (:meth:`close`)."""
+        out: Dict[str, str] = {}
+        for name in sorted(self.sizes):
+            try:
+                self.check(name)
+            except CheckpointCorruptError as e:
+                out[name] = str(e)
+        return out
+
     def keep(self, name: str, start: int, data: memoryview, received: bool) -> None:
         """Serve bytes ``[start, start + len(data))`` of ``name`` from ``data`` instead of storage: bytes
         ``received`` from the rank that read them (:mod:`nostall.loading.peers`, counted in
@@ -140,15 +152,36 @@ def check_blocks(buf: memoryview, first_block: int, piece: PieceRecord, rec: Ten
                  bs: int) -> None:
     """Raise :class:`~nostall.CheckpointCorruptError` at the first block of ``buf`` (block ``first_block`` of
     ``piece`` onwards) whose checksum does not match."""
+    check_piece_blocks(buf, first_block, piece, rec.key, path, bs)
+
+
+def check_piece_blocks(buf: memoryview, first_block: int, piece: PieceRecord, key: str, path: str, bs: int) -> None:
+    """:func:`check_blocks` for the piece of ``key``."""
     for i in range(0, len(buf), bs):
         b = first_block + i // bs
         if crc(buf[i : i + bs]) != piece.crc32c[b]:
             lo = piece.start + b * bs
             hi = min(lo + bs, piece.end)
             raise CheckpointCorruptError(
-                f"{path}: checksum mismatch in bytes [{lo}, {hi}) (key {rec.key!r}, piece at "
+                f"{path}: checksum mismatch in bytes [{lo}, {hi}) (key {key!r}, piece at "
                 f"offset {list(piece.offset)}): the file is corrupt"
             )
+
+
+def check_range(data: memoryview, lo: int, pieces: Sequence[Tuple[str, PieceRecord]], path: str, bs: int) -> None:
+    """Check ``data``, the bytes of a data file from ``lo`` on, against ``pieces`` ((key, piece) of that file): every
+    checksum block of each piece that lies whole inside it (a block the range cuts is not the range's to check);
+    raises :class:`~nostall.CheckpointCorruptError` at the first mismatch."""
+    hi = lo + len(data)
+    for key, p in pieces:
+        first = max(0, -(-(lo - p.start) // bs))  # the first block starting at or after lo
+        last = (min(hi, p.end) - p.start) // bs  # blocks before it end inside the range
+        if min(hi, p.end) == p.end and p.end > p.start:
+            last = -(-(p.end - p.start) // bs)  # the piece's last, short block ends with it
+        if last > first:
+            a = p.start + first * bs
+            b = min(p.start + last * bs, p.end)
+            check_piece_blocks(data[a - lo: b - lo], first, p, key, path, bs)
 
 
 Blocks = Tuple[memoryview, int, PieceRecord, TensorRecord, str]

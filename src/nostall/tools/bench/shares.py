@@ -24,7 +24,7 @@ def shared_load_costs(raw: bytes, metas: Sequence[Any], parse_s: float) -> Dict[
     """The figures of one point: ``raw`` is the manifest's JSON, ``metas`` every rank's ``RankMeta`` (what each
     rank's template asks for), ``parse_s`` rank 0's parse time (measured by the caller)."""
     from nostall.core import format as fmt
-    from nostall.loading import collective, peers
+    from nostall.loading import collective
 
     cap = fmt.MAX_MANIFEST_MEMORY
     fmt.MAX_MANIFEST_MEMORY = max(cap, 2 * fmt.json_memory_estimate(raw))
@@ -41,7 +41,7 @@ def shared_load_costs(raw: bytes, metas: Sequence[Any], parse_s: float) -> Dict[
         t0 = time.perf_counter()
         shares = [collective.share_of(index, r, boxes) for r, boxes in enumerate(asks)]
         t1 = time.perf_counter()
-        plans = peers.assign([w for _, w in shares], peers.RECEIVE_CAP)
+        plans = collective.plan_transfers([w for _, w in shares], True, None)
         t2 = time.perf_counter()
         blobs = [pickle.dumps((collective.pack(share), plan), protocol=PICKLE)
                  for (share, _), plan in zip(shares, plans)]
