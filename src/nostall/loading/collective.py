@@ -370,8 +370,8 @@ def _copies_refused(asks: Sequence[Ask]) -> Optional[str]:
             "copy of it, or load another checkpoint")
 
 
-def plan_transfers(needs: Sequence[Sequence[Need]], once: bool, absent: Optional[Sequence[Optional[Dict[str, str]]]]
-           ) -> List[peers.Plan]:
+def plan_transfers(needs: Sequence[Sequence[Need]], once: bool,
+                   absent: Optional[Sequence[Optional[Dict[str, str]]]]) -> List[peers.Plan]:
     """Each rank's part in the transfers (:func:`peers.assign`), each send with the pieces its reader checks.
     Loading copies (``absent`` given), a rank's ranges of one file within :data:`~nostall.loading.engine.
     COALESCE_GAP` of each other are one range: the spans the read engine reads (it coalesces such ranges) are
