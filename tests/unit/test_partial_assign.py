@@ -23,23 +23,28 @@ A = "rank0.safetensors"
 B = "rank1.safetensors"
 
 
+def _assign(needs, cap, **kw):
+    """peers.assign of ranges with no pieces to check."""
+    return peers.assign([[(t, ()) for t in ts] for ts in needs], cap, **kw)
+
+
 def test_a_rank_lacking_a_file_gets_it_from_a_needing_rank_that_has_it():
     t = (A, 0, 100)
     # ranks 0 and 1 need it; rank 0's copy lacks the file; rank 2 has it too but does not need it
-    plans = peers.assign([[t], [t], []], 1 << 20, absent=[{A: "missing"}, {}, {}], once=False)
+    plans = _assign([[t], [t], []], 1 << 20, absent=[{A: "missing"}, {}, {}], once=False)
     assert plans[1].send == [(0, t, (0,))] and plans[0].recv == [(0, t, 1)]
     assert not plans[2].send and not plans[1].relayed
 
 
 def test_each_rank_with_the_file_reads_its_own():
     t = (A, 0, 100)
-    plans = peers.assign([[t], [t]], 1 << 20, absent=[{}, {}], once=False)
+    plans = _assign([[t], [t]], 1 << 20, absent=[{}, {}], once=False)
     assert all(not p.send and not p.recv for p in plans)
 
 
 def test_no_needing_rank_has_it_the_holders_share_by_bytes():
     big, small, other = (A, 0, 100), (A, 100, 160), (A, 160, 200)
-    plans = peers.assign([[big, small, other], [], [], []], 1 << 20,
+    plans = _assign([[big, small, other], [], [], []], 1 << 20,
                          absent=[{A: "missing"}, {A: "missing"}, {}, {}], once=False)
     # largest first, to the holder with the fewest bytes read for others (lowest rank on a tie)
     assert [s[1] for s in plans[2].send] == [big]
@@ -50,25 +55,25 @@ def test_no_needing_rank_has_it_the_holders_share_by_bytes():
 
 def test_read_once_among_holders_and_to_the_ranks_that_lack_the_file():
     t = (A, 0, 100)
-    plans = peers.assign([[t], [t], [t]], cap=1 << 20, absent=[{}, {}, {A: "gone"}], once=True)
+    plans = _assign([[t], [t], [t]], cap=1 << 20, absent=[{}, {}, {A: "gone"}], once=True)
     assert plans[0].send == [(0, t, (1, 2))]
     # past the cap a holder reads for itself; a rank that lacks the file receives whatever the cap
-    plans = peers.assign([[t], [t], [t]], cap=50, absent=[{}, {}, {A: "gone"}], once=True)
+    plans = _assign([[t], [t], [t]], cap=50, absent=[{}, {}, {A: "gone"}], once=True)
     assert plans[0].send == [(0, t, (2,))] and not plans[1].recv
 
 
 def test_a_failed_rank_reads_for_nobody():
     t = (A, 0, 100)
-    plans = peers.assign([[t], [], []], 1 << 20, absent=[{A: "missing"}, None, {}], once=False)
+    plans = _assign([[t], [], []], 1 << 20, absent=[{A: "missing"}, None, {}], once=False)
     assert plans[2].send == [(0, t, (0,))] and not plans[1].send
     with pytest.raises(CheckpointLoadError) as e:
-        peers.assign([[t], []], 1 << 20, absent=[{A: "missing"}, None], once=False)
+        _assign([[t], []], 1 << 20, absent=[{A: "missing"}, None], once=False)
     assert "rank 1: it failed before the load" in str(e.value)
 
 
 def test_a_file_no_rank_has_names_it_the_ranks_that_need_it_and_why_each_lacks_it():
     with pytest.raises(CheckpointLoadError) as e:
-        peers.assign([[(B, 0, 10)], [(B, 0, 10), (A, 0, 5)]], 1 << 20,
+        _assign([[(B, 0, 10)], [(B, 0, 10), (A, 0, 5)]], 1 << 20,
                      absent=[{B: "/r0/step_1/rank1.safetensors: data file missing"},
                              {B: "/r1/step_1/rank1.safetensors: size 3 bytes, the manifest says 40 (truncated?)"}],
                      once=False)
@@ -94,7 +99,7 @@ def test_the_ranges_a_rank_asks_for_hold_every_byte_its_load_reads(tmp_path):
                 "s": nostall.PerRank(torch.zeros(5, dtype=torch.long))}
     share, needs = share_of(ManifestIndex(m), 0, template_boxes(template), parts=True, world=1)
     (name,) = m.files
-    part = [t for t, (k, _) in needs if k == "w"][0]
+    part = [t for t, ((k, _),) in needs if k == "w"][0]
     assert (part[1], part[2]) != (m.tensors["w"].pieces[0].start, m.tensors["w"].pieces[0].end)  # a sub-range
     # rank 0's copy lacks its one data file; rank 1 (needing nothing) has it and reads for it
     plans = plan_transfers([needs, []], False, [{name: "missing"}, {}])
@@ -118,7 +123,7 @@ def test_ranges_of_a_file_within_the_coalescing_gap_are_one():
     m_piece = PieceRecord((0,), (4,), A, 0, 16, (0,))
     n_piece = PieceRecord((0,), (4,), A, 16 + COALESCE_GAP, 32 + COALESCE_GAP, (0,))
     far = PieceRecord((0,), (4,), A, 33 + 2 * COALESCE_GAP, 49 + 2 * COALESCE_GAP, (0,))
-    needs = [((p.file, p.start, p.end), (k, p)) for k, p in (("m", m_piece), ("n", n_piece), ("f", far))]
+    needs = [((p.file, p.start, p.end), ((k, p),)) for k, p in (("m", m_piece), ("n", n_piece), ("f", far))]
     plans = plan_transfers([needs, []], False, [{A: "missing"}, {}])
     assert [t for _, t, _ in plans[0].recv] == [(A, 0, 32 + COALESCE_GAP), (A, far.start, far.end)]  # largest first
     assert {k for k, _ in plans[1].checks[0]} == {"m", "n"} and {k for k, _ in plans[1].checks[1]} == {"f"}

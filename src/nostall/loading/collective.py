@@ -32,7 +32,7 @@ from nostall.errors import CheckpointError, CheckpointLoadError, describe
 from nostall.loading import peers
 from nostall.loading.engine import COALESCE_GAP, block_range
 from nostall.loading.manifests import manifest_digest, read_manifest
-from nostall.loading.peers import Check, Transfer, error_from_wire, error_to_wire
+from nostall.loading.peers import Check, Need, Transfer, error_from_wire, error_to_wire
 from nostall.loading.sources import DataFiles, open_files
 from nostall.storage.locate import split_checkpoint
 from nostall.planning.comm import Comm
@@ -45,8 +45,6 @@ Shape = Tuple[int, ...]
 Boxes = Dict[str, List[Tuple[Shape, Shape]]]
 Share = Tuple[Dict[str, Tuple[PieceRecord, ...]], Optional[RankRecord]]
 """A rank's share: its pieces by key, its per-rank record."""
-Need = Tuple[Transfer, Check]
-"""Bytes a rank's load reads, and the piece (with its key) they are of."""
 Copy = Tuple[str, Optional[str], Optional[Dict[str, str]], Optional[str]]
 """Loading copies, what a rank reports of its copy: its path, its manifest's digest, the data files it lacks
 (with why), the error that kept it from telling (None: none; digest and files None: the rank failed)."""
@@ -141,7 +139,7 @@ def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes], parts: boo
     if boxes is None:
         pieces = {k: t.pieces for k, t in m.tensors.items() if t.pieces}
         if parts:
-            whole = [((p.file, p.start, p.end), (k, p)) for k, ps in pieces.items() for p in ps if p.end > p.start]
+            whole = [((p.file, p.start, p.end), ((k, p),)) for k, ps in pieces.items() for p in ps if p.end > p.start]
     else:
         pieces = {}
         tensors, exact = m.tensors, index.exact
@@ -151,20 +149,20 @@ def share_of(index: ManifestIndex, rank: int, boxes: Optional[Boxes], parts: boo
             p = exact(k, bs[0]) if len(bs) == 1 else None
             if p is not None:  # a box that is a saved piece (a load in the saved layout): that piece, whole
                 pieces[k] = (p,)
-                whole.append(((p.file, p.start, p.end), (k, p)))
+                whole.append(((p.file, p.start, p.end), ((k, p),)))
                 continue
             pieces[k] = ps = index.overlapping(k, bs)
             for p in ps:
                 if p.end <= p.start:
                     continue
                 if any(_contains(b, p) for b in bs):
-                    whole.append(((p.file, p.start, p.end), (k, p)))
+                    whole.append(((p.file, p.start, p.end), ((k, p),)))
                 elif parts:  # the blocks of the piece each box meeting it reads
-                    whole += [((p.file, *block_range(p, *_overlap(p, b), m.block_size)), (k, p))
+                    whole += [((p.file, *block_range(p, *_overlap(p, b), m.block_size)), ((k, p),))
                               for b in bs if _meets(p, b)]
     mine = m.per_rank[rank] if 0 <= rank < len(m.per_rank) else None
     if parts and mine is not None and world == m.world_size:
-        whole += [((p.file, p.start, p.end), (k, p)) for k, t in mine.tensors.items() for p in t.pieces
+        whole += [((p.file, p.start, p.end), ((k, p),)) for k, t in mine.tensors.items() for p in t.pieces
                   if p.end > p.start]
     return (pieces, mine), whole
 
@@ -375,32 +373,28 @@ def plan_transfers(needs: Sequence[Sequence[Need]], once: bool,
     """Each rank's part in the transfers (:func:`peers.assign`), each send with the pieces its reader checks.
     Loading copies (``absent`` given), a rank's ranges of one file within :data:`~nostall.loading.engine.
     COALESCE_GAP` of each other are one range: the spans the read engine reads (it coalesces such ranges) are
-    then held whole by a rank that lacks the file."""
-    checks: Dict[Transfer, Dict[Tuple[str, int], Check]] = {}
-    wants: List[List[Transfer]] = []
-    for ns in needs:
-        mine: List[Transfer] = []
-        cur: Optional[List[Any]] = None  # [file, lo, hi, checks]
-        for t, c in sorted(ns, key=lambda n: n[0]) if absent is not None else ns:
-            if absent is not None and cur is not None and cur[0] == t[0] and t[1] <= cur[2] + COALESCE_GAP:
-                cur[2] = max(cur[2], t[2])
-                cur[3].append(c)
-                continue
-            if cur is not None:
-                mine.append(_noted((cur[0], cur[1], cur[2]), cur[3], checks))
-            cur = [t[0], t[1], t[2], [c]]
-        if cur is not None:
-            mine.append(_noted((cur[0], cur[1], cur[2]), cur[3], checks))
-        wants.append(mine)
-    plans = peers.assign(wants, peers.RECEIVE_CAP, absent, once)
-    for plan in plans:
-        plan.checks = {n: tuple(checks[t].values()) for n, t, _ in plan.send}
-    return plans
+    then held whole by a rank that lacks the file; a range several ranks name holds the pieces of each."""
+    if absent is None:  # whole pieces, as they are
+        return peers.assign(needs, peers.RECEIVE_CAP, absent, once)
+    merged = [_merged(ns) for ns in needs]
+    every: Dict[Transfer, Dict[Tuple[str, int], Check]] = {}
+    for ms in merged:
+        for t, cs in ms:
+            into = every.setdefault(t, {})
+            for c in cs:
+                into.setdefault((c[0], c[1].start), c)
+    return peers.assign([[(t, tuple(every[t].values())) for t, _ in ms] for ms in merged], peers.RECEIVE_CAP,
+                        absent, once)
 
 
-def _noted(t: Transfer, cs: Sequence[Check], checks: Dict[Transfer, Dict[Tuple[str, int], Check]]) -> Transfer:
-    """``t``, with the pieces it holds blocks of noted in ``checks``."""
-    into = checks.setdefault(t, {})
-    for key, p in cs:
-        into.setdefault((key, p.start), (key, p))
-    return t
+def _merged(needs: Sequence[Need]) -> List[Need]:
+    """A rank's ranges by file and offset, those of one file within :data:`~nostall.loading.engine.COALESCE_GAP`
+    of each other as one, each with the pieces its parts are of."""
+    out: List[Tuple[List[Any], List[Check]]] = []  # [file, lo, hi], its pieces
+    for (name, lo, hi), cs in sorted(needs, key=lambda n: n[0]):
+        if out and out[-1][0][0] == name and lo <= out[-1][0][2] + COALESCE_GAP:
+            out[-1][0][2] = max(out[-1][0][2], hi)
+            out[-1][1].extend(cs)
+        else:
+            out.append(([name, lo, hi], list(cs)))
+    return [((t[0], t[1], t[2]), tuple(cs)) for t, cs in out]

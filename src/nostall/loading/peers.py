@@ -19,7 +19,7 @@ The messages use the load's gloo group (tensor data over the group, bounded
 by its timeout like every collective); the bytes a rank holds of ranges it
 could read itself stay below ``cap`` (past it, a rank reads for itself).
 
->>> needs = [[("rank0.safetensors", 0, 100)], [("rank0.safetensors", 0, 100)]]
+>>> needs = [[(("rank0.safetensors", 0, 100), ())], [(("rank0.safetensors", 0, 100), ())]]
 >>> plans = assign(needs, cap=1 << 20)
 >>> plans[0].send, plans[1].recv
 ([(0, ('rank0.safetensors', 0, 100), (1,))], [(0, ('rank0.safetensors', 0, 100), 0)])
@@ -42,12 +42,14 @@ from nostall.errors import CheckpointError, CheckpointLoadError, describe
 from nostall.loading.sources import DataFiles, check_range
 from nostall.planning.comm import Comm
 
-__all__ = ["Transfer", "Check", "Plan", "assign", "exchange", "error_to_wire", "error_from_wire", "ranks_text"]
+__all__ = ["Transfer", "Check", "Need", "Plan", "assign", "exchange", "error_to_wire", "error_from_wire", "ranks_text"]
 
 Transfer = Tuple[str, int, int]
 """A stored byte range: (file, start, end): a whole piece, or (loading copies) the blocks a rank reads of a file."""
 Check = Tuple[str, PieceRecord]
 """A piece (with its key) whose whole checksum blocks inside a transfer its reader checks."""
+Need = Tuple[Transfer, Tuple[Check, ...]]
+"""A range a rank's load reads, and the pieces it holds blocks of."""
 
 RECEIVE_CAP = 1 << 30
 """The most bytes of ranges a rank could read itself that it holds in one load, read once for others or
@@ -73,9 +75,10 @@ class Plan:
     relayed: Set[int] = field(default_factory=set)
 
 
-def assign(needs: Sequence[Sequence[Transfer]], cap: int,
+def assign(needs: Sequence[Sequence[Need]], cap: int,
            absent: Optional[Sequence[Optional[Mapping[str, str]]]] = None, once: bool = True) -> List[Plan]:
-    """Each rank's :class:`Plan` from the byte ranges each rank's load reads (rank 0, while cutting shares).
+    """Each rank's :class:`Plan` from the byte ranges each rank's load reads, each with the pieces its reader
+    checks (rank 0, while cutting shares; a range's pieces are those of the first rank that names it).
 
     ``absent``: loading copies, the files each rank's copy lacks, with why (None for a rank: it has none, it
     failed before the load); None: every rank has every file. A rank that has a range's file reads it itself;
@@ -89,9 +92,15 @@ def assign(needs: Sequence[Sequence[Transfer]], cap: int,
     """
     world = len(needs)
     needers: Dict[Transfer, List[int]] = {}
-    for r, ts in enumerate(needs):
-        for t in dict.fromkeys(ts):
-            needers.setdefault(t, []).append(r)
+    checks: Dict[Transfer, Tuple[Check, ...]] = {}
+    for r, ns in enumerate(needs):
+        for t, cs in ns:
+            rs = needers.get(t)
+            if rs is None:
+                needers[t] = [r]
+                checks[t] = cs
+            elif rs[-1] != r:  # a range a rank needs twice (tied keys) is still its own
+                rs.append(r)
 
     def has(r: int, name: str) -> bool:
         if absent is None:
@@ -104,11 +113,13 @@ def assign(needs: Sequence[Sequence[Transfer]], cap: int,
     plans = [Plan() for _ in range(world)]
     unreadable: List[Tuple[Transfer, List[int]]] = []
     n = 0
-    for t in sorted(needers, key=lambda t: (t[1] - t[2], t)):
+    # every rank has every file: only ranges two or more ranks need move (none without ``once``)
+    todo = list(needers) if absent is not None else [t for t, rs in needers.items() if once and len(rs) > 1]
+    for t in sorted(todo, key=lambda t: (t[1] - t[2], t)):
         size = t[2] - t[1]
         rs = needers[t]
-        local = [r for r in rs if has(r, t[0])]
-        lack = [r for r in rs if r not in local]
+        local = [r for r in rs if has(r, t[0])] if absent is not None else rs
+        lack = [r for r in rs if r not in local] if absent is not None else []
         shared = once and len(rs) > 1
         if not lack and not shared:
             continue  # each reads its own
@@ -118,17 +129,19 @@ def assign(needs: Sequence[Sequence[Transfer]], cap: int,
             unreadable.append((t, rs))
             continue
         reader = min(pool, key=lambda r: (load[r], r))
-        to = tuple(sorted(r for r in set(lack) | set(fits) if r != reader))
+        to = tuple(sorted(set(lack).union(fits) - {reader}))
         if not to:
             continue
         load[reader] += size
         received[reader] += size
         plans[reader].send.append((n, t, to))
+        plans[reader].checks[n] = checks[t]
         if reader not in rs:
             plans[reader].relayed.add(n)
-        for r in to:
-            if r in local:
+        for r in fits:  # (what a rank that lacks the file receives is not held against the cap)
+            if r != reader:
                 received[r] += size
+        for r in to:
             plans[r].recv.append((n, t, reader))
         n += 1
     if unreadable:
