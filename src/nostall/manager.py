@@ -957,12 +957,13 @@ class CheckpointManager:
             self._finalize(None, flush=True)  # one another thread (or a callback) started meanwhile
             if self._tiers is not None and path is None and step is None:  # the freshest complete tier
 
-                def load_from(where: Any) -> Any:
-                    return self._load_locked(training, state, where, None, strict, verify, per_rank)
+                def load_from(where: Any, own_copies: bool = False) -> Any:
+                    return self._load_locked(training, state, where, None, strict, verify, per_rank, own_copies)
 
                 result, self.last_restore = self._tiers.restore(
                     self.latest_step, load_from, lambda: load_from(None),
-                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None, self.path_for)
+                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None, self.path_for,
+                    load_partial=lambda where: load_from(where, own_copies=True))
                 return result
             result = self._load_locked(training, state, path, step, strict, verify, per_rank)
             if self._tiers is not None and path is None and step is not None:
