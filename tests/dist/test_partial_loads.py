@@ -160,14 +160,14 @@ def test_a_lost_host_reads_nothing_and_receives_its_share(pool4: RankPool, tmp_p
     assert sum(out[r]["copy"][0] for r in (0, 1)) > sum(out[r]["full"][0] for r in (0, 1))
 
 
-def _replicas(rank, world, base, deletions):
-    """A data-parallel job: the same model on every rank, every piece needed whole by both."""
+def _replicas(rank, world, base, deletions, read_once=None):
+    """A data-parallel job: the same model on every rank, every piece needed whole by every rank."""
     import os
     import shutil
 
     import nostall
 
-    with nostall.CheckpointManager(base + "/ck", block_size=BLOCK) as mgr:
+    with nostall.CheckpointManager(base + "/ck", block_size=BLOCK, read_once=read_once) as mgr:
         mgr.save(1, model=_model())
         full = _load_model(mgr, mgr.path_for(1), False)
         mine = f"{base}/copy{rank}/step_1"
@@ -200,3 +200,13 @@ def test_replicated_pieces_one_rank_has_are_read_once_and_sent(pool2: RankPool, 
     full = out[0][0]
     assert out[0][1:3] == (full, 0)  # rank 0 read each byte once, for itself and rank 1
     assert out[1][1:3] == (0, full)  # rank 1 read nothing and received what it would have read
+
+
+def test_read_once_across_holders_and_ranks_with_empty_copies(pool4: RankPool, tmp_path):
+    # ranks 2 and 3 hold nothing; with read_once each stored byte is read once in the job, by rank 0 or 1
+    every = [f"rank{r}.safetensors" for r in range(4)]
+    out = pool4.run(_replicas, str(tmp_path), {2: every, 3: every}, True)
+    assert all(o[3] for o in out), out
+    total = sum(o[0] for o in out)  # the whole load, read once too: each stored byte once in the job
+    assert sum(o[1] for o in out) == total and out[2][1] == out[3][1] == 0, out
+    assert out[2][2] == out[3][2] == total and all(o[1] + o[2] == total for o in out), out
