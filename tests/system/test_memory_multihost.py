@@ -269,5 +269,35 @@ def test_a_peer_holder_killed_before_a_save_leaves_the_previous_step_latest(tmp_
         assert _wait_no_pids(net, 150) == {}
 
 
+@pytest.mark.timeout(600)
+def test_a_lost_host_is_restored_from_its_peer_with_nothing_from_the_persistent_root(tmp_path):
+    import shutil
+
+    from tests.netns_hosts import HostNet
+
+    with HostNet(2, str(tmp_path)) as net:
+        a, b = net.hosts
+        logs = str(tmp_path / "logs")
+        os.makedirs(logs)
+        common = _common(tmp_path, net, "mh3")
+        out1 = str(tmp_path / "out1")
+        job = Job([a, b], 1, {**common, "mode": "save", "first": 1, "last": 3, "die": True, "out": out1}, logs, "save")
+        assert job.wait() == [-signal.SIGKILL] * 2, job.tails()
+        assert all(g["memory_latest"] == 3 for g in _results(out1, 2))
+        # host b is lost whole (its holder too); a replacement host starts with an empty memory directory
+        b.kill_all()
+        shutil.rmtree(os.path.join(b.disk, "shm"))
+        os.makedirs(os.path.join(b.disk, "shm"))
+        assert not b.pids() and a.pids()  # host a's holder lives on
+        assert _zero_fill_persistent(str(tmp_path / "run")) == 2  # step 2's files: never read below
+        out2 = str(tmp_path / "out2")
+        job = Job([a, b], 1, {**common, "mode": "restore", "out": out2}, logs, "restore")
+        assert job.wait() == [0, 0], job.tails()
+        got = _results(out2, 2)
+        assert [(g["step"], g["exact"], g["persistent_bytes_read"]) for g in got] == [(3, True, 0)] * 2, got
+        assert [g["tier"] for g in got] == ["memory", "peer"], got
+        assert _wait_no_pids(net) == {}
+
+
 if __name__ == "__main__":
     trainer(json.loads(sys.argv[1]))
