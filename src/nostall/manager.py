@@ -962,8 +962,8 @@ class CheckpointManager:
 
                 result, self.last_restore = self._tiers.restore(
                     self.latest_step, load_from, lambda: load_from(None),
-                    lambda r: r.bytes_read if isinstance(r, LoadedCheckpoint) else None, self.path_for,
-                    load_partial=lambda where: load_from(where, own_copies=True))
+                    lambda r: (r.bytes_read, r.bytes_received) if isinstance(r, LoadedCheckpoint) else (None, None),
+                    self.path_for, load_partial=lambda where: load_from(where, own_copies=True))
                 return result
             result = self._load_locked(training, state, path, step, strict, verify, per_rank)
             if self._tiers is not None and path is None and step is not None:

@@ -17,6 +17,8 @@ them one host). The same file is the trainer (``python <this file> <json>``).
   ranks taking their pieces from the surviving host's ranks (tier "peer"),
   bit-exact, 0 bytes from the persistent root (whose data files are
   zero-filled first: a read of any would fail its checksum).
+* 4 hosts x 1 rank: each host holds its own rank's file and its source
+  host's (peer_jump=1), nothing else; a lost host restores from peers.
 * a peer's holder killed before a save: the save fails (reported on the
   training side), the previous memory step stays latest on both hosts.
 """
@@ -296,6 +298,40 @@ def test_a_lost_host_is_restored_from_its_peer_with_nothing_from_the_persistent_
         got = _results(out2, 2)
         assert [(g["step"], g["exact"], g["persistent_bytes_read"]) for g in got] == [(3, True, 0)] * 2, got
         assert [g["tier"] for g in got] == ["memory", "peer"], got
+        assert _wait_no_pids(net) == {}
+
+
+@pytest.mark.timeout(600)
+def test_four_hosts_each_holds_its_source_hosts_replica_and_a_lost_one_restores_from_peers(tmp_path):
+    import shutil
+
+    from tests.netns_hosts import HostNet
+
+    with HostNet(4, str(tmp_path)) as net:
+        hosts = net.hosts
+        logs = str(tmp_path / "logs")
+        os.makedirs(logs)
+        common = _common(tmp_path, net, "mh4")
+        out1 = str(tmp_path / "out1")
+        job = Job(hosts, 1, {**common, "mode": "save", "first": 1, "last": 1, "die": True, "out": out1}, logs, "save")
+        assert job.wait() == [-signal.SIGKILL] * 4, job.tails()
+        got = _results(out1, 4)
+        assert all(g["memory_latest"] == 1 and g["failed"] == {} for g in got), got
+        # peer_jump=1: host h holds its own rank's file and host h-1's (its source), nothing else
+        for h in range(4):
+            step = os.path.join(_memory_root(hosts[h], got[h], net), "step_1")
+            want = {"manifest.json", f"rank{h}.safetensors", f"rank{(h - 1) % 4}.safetensors"}
+            assert set(os.listdir(step)) == want, (h, os.listdir(step))
+        # host c (rank 2) is lost whole; its replacement starts empty: rank 2's file survives on host d
+        hosts[2].kill_all()
+        shutil.rmtree(os.path.join(hosts[2].disk, "shm"))
+        os.makedirs(os.path.join(hosts[2].disk, "shm"))
+        out2 = str(tmp_path / "out2")
+        job = Job(hosts, 1, {**common, "mode": "restore", "out": out2}, logs, "restore")
+        assert job.wait() == [0] * 4, job.tails()
+        got = _results(out2, 4)
+        assert [(g["step"], g["exact"], g["persistent_bytes_read"]) for g in got] == [(1, True, 0)] * 4, got
+        assert got[2]["tier"] == "peer", got
         assert _wait_no_pids(net) == {}
 
 

@@ -48,7 +48,8 @@ class Restored:
     state-dict load). ``persistent_bytes_read``: those read from the
     persistent root (0 for a memory restore: its data files are not opened).
     ``seconds``: the load, agreement included (not the process start-up).
-    ``fell_back``: why the memory checkpoint was refused, on which rank(s),
+    ``bytes_received``: data-file bytes other ranks read and sent (a ``"peer"`` restore; None when the load
+    does not say). ``fell_back``: why the memory checkpoint was refused, on which rank(s),
     when the restore fell back to the persistent root.
     """
 
@@ -59,6 +60,7 @@ class Restored:
     persistent_bytes_read: Optional[int]
     seconds: float
     fell_back: Optional[str] = None
+    bytes_received: Optional[int] = None
 
 
 def _host_identity(base: str) -> Tuple[str, str, int, int]:
@@ -169,7 +171,8 @@ class Tiers:
 
     # ------------------------------------------------------------------ restore
     def restore(self, persistent_latest: Callable[[], Optional[int]], load_memory: Callable[[str], Any],
-                load_persistent: Callable[[], Any], bytes_of: Callable[[Any], Optional[int]],
+                load_persistent: Callable[[], Any],
+                bytes_of: Callable[[Any], Tuple[Optional[int], Optional[int]]],
                 path_of: Callable[[int], str],
                 load_partial: Optional[Callable[[str], Any]] = None) -> Tuple[Any, Restored]:
         """Load from the freshest complete tier (collective): the memory root's latest committed step, the same
@@ -211,7 +214,10 @@ class Tiers:
                     self.root.drop_replica_dir(made)
             errors = [e for e in (comm.all_gather(error) if comm.size > 1 else [error]) if e]
             if not errors:
-                restored = Restored(tier, step, path, bytes_of(result), 0, time.perf_counter() - t0)
+                read, received = bytes_of(result)
+                if received is not None:  # the load says: a rank that received nothing read only its own host's
+                    tier = "peer" if received > 0 else "memory"
+                restored = Restored(tier, step, path, read, 0, time.perf_counter() - t0, bytes_received=received)
                 log.info("rank %d: restored step %d from the memory tier (%s, %s) in %.3fs, 0 bytes from the "
                          "persistent root", comm.rank, step, tier, path, restored.seconds)
                 self.drop_newer(step)
@@ -224,7 +230,7 @@ class Tiers:
                                           f"({fell_back}) and the persistent root has no checkpoint: nothing to "
                                           "restore; start from scratch")
         result = load_persistent()
-        n = bytes_of(result)
+        n, _ = bytes_of(result)
         where = path_of(latest) if latest is not None else ""
         if latest is not None:
             self.drop_newer(latest)
