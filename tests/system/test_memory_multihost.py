@@ -19,7 +19,8 @@ them one host). The same file is the trainer (``python <this file> <json>``).
   zero-filled first: a read of any would fail its checksum).
 * 4 hosts x 1 rank: each host holds its own rank's file and its source
   host's (peer_jump=1), nothing else; a lost host restores from peers.
-* a peer's holder killed before a save: the save fails (reported on the
+* a peer host killed while a save is in flight, or only its holder killed
+  before a save: the save fails (reported on the
   training side), the previous memory step stays latest on both hosts.
 """
 
@@ -80,6 +81,10 @@ def trainer(args: Dict[str, Any]) -> None:
                     time.sleep(0.05)
             try:
                 mgr.save(step, _state(step, rank, world))
+                if step in args.get("pause_after_save", []):  # staged on every rank; the test kills a host now
+                    open(os.path.join(args["out"], f"rank{rank}.saved"), "w").close()
+                    while not os.path.exists(os.path.join(args["out"], "go")):
+                        time.sleep(0.05)
                 mgr.finalize_pending_saves()
             except nostall.CheckpointError as e:
                 failed[step] = str(e)
@@ -333,6 +338,31 @@ def test_four_hosts_each_holds_its_source_hosts_replica_and_a_lost_one_restores_
         assert [(g["step"], g["exact"], g["persistent_bytes_read"]) for g in got] == [(1, True, 0)] * 4, got
         assert got[2]["tier"] == "peer", got
         assert _wait_no_pids(net) == {}
+
+
+@pytest.mark.timeout(600)
+def test_a_peer_host_killed_mid_save_leaves_the_previous_step_latest(tmp_path):
+    from tests.netns_hosts import HostNet
+
+    with HostNet(2, str(tmp_path)) as net:
+        a, b = net.hosts
+        logs = str(tmp_path / "logs")
+        os.makedirs(logs)
+        out = str(tmp_path / "out")
+        job = Job([a, b], 1, {**_common(tmp_path, net, "mh5"), "mode": "save", "first": 1, "last": 3,
+                              "pause_after_save": [3], "timeout": 8, "out": out}, logs, "save")
+        deadline = time.monotonic() + 180
+        while not all(os.path.exists(os.path.join(out, f"rank{r}.saved")) for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs), job.tails()
+            time.sleep(0.05)
+        b.kill_all()  # step 3 is staged on both ranks, its save in flight: host b goes, holder and all
+        open(os.path.join(out, "go"), "w").close()
+        codes = job.wait()
+        assert codes[0] == 0, job.tails()
+        got = json.load(open(os.path.join(out, "rank0.json")))
+        assert "3" in got["failed"], (got, job.tails())  # reported on the training side
+        assert (got["memory_steps"], got["memory_latest"]) == ([1], 1), got  # the previous memory step stays
+        assert _wait_no_pids(net, 150) == {}
 
 
 if __name__ == "__main__":
