@@ -119,6 +119,35 @@ def test_the_ranges_a_rank_asks_for_hold_every_byte_its_load_reads(tmp_path):
     assert report.bytes_read == 0 and report.bytes_received == sum(t[2] - t[1] for _, t, _ in plans[0].recv)
 
 
+def test_a_long_range_goes_in_parts_cut_at_blocks_each_checked_by_its_reader(tmp_path):
+    path, state, m = _checkpoint(tmp_path)
+    template = {"w": nostall.ShardedTensor(torch.zeros(32, 20), (64, 48), (8, 10)), "b": torch.zeros(100)}
+    share, needs = share_of(ManifestIndex(m), 0, template_boxes(template), parts=True, world=1)
+    (name,) = m.files
+    plans = plan_transfers([needs, []], False, [{name: "missing"}, {}], m.block_size, most=1000)
+    sends = sorted((t, plans[1].checks[n]) for n, t, _ in plans[1].send)
+    assert len(sends) > 3 and all(t[2] - t[1] <= 1000 for t, _ in sends)  # (the load reads them whole below)
+    w = m.tensors["w"].pieces[0]
+    for blk in range(w.start, w.end, m.block_size):  # each block of w sent is whole in one part, checked there
+        end = min(blk + m.block_size, w.end)
+        meeting = [(t, cs) for t, cs in sends if t[1] < end and blk < t[2]]
+        assert len(meeting) in (0, 1), (blk, meeting)
+        assert all(t[1] <= blk and end <= t[2] and any(c[1] == w for c in cs) for t, cs in meeting)
+    raw = open(os.path.join(path, name), "rb").read()
+    for t, cs in sends:  # what rank 1 would check before sending
+        check_range(memoryview(raw)[t[1]:t[2]], t[1], cs, "f", m.block_size)
+    copy = str(tmp_path / "copy" / "step_1")
+    shutil.copytree(path, copy)
+    os.remove(os.path.join(copy, name))
+    files = open_files(copy, m)
+    for _n, t, _src in plans[0].recv:
+        files.keep(t[0], t[1], memoryview(bytearray(raw[t[1]:t[2]])), received=True)
+    got, report = load_state_keys(template, copy, manifest=with_share(head_of(m), share, 0), files=files,
+                                  strict=False)
+    assert torch.equal(got["w"].data, state["w"][8:40, 10:30]) and torch.equal(got["b"], state["b"])
+    assert report.bytes_read == 0
+
+
 def test_ranges_of_a_file_within_the_coalescing_gap_are_one():
     m_piece = PieceRecord((0,), (4,), A, 0, 16, (0,))
     n_piece = PieceRecord((0,), (4,), A, 16 + COALESCE_GAP, 32 + COALESCE_GAP, (0,))

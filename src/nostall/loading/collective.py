@@ -327,7 +327,7 @@ def _answers(index: Optional[ManifestIndex], asks: Sequence[Ask], read_once: boo
                       for r, (_, boxes, failed, _c) in enumerate(asks)]
             if copies or read_once:
                 absent = [None if a[2] or a[3] is None else a[3][2] for a in asks] if copies else None
-                plans = plan_transfers([w for _, w in shares], read_once, absent)
+                plans = plan_transfers([w for _, w in shares], read_once, absent, index.m.block_size)
             else:
                 plans = [peers.Plan() for _ in shares]
             return [(pack(share), plan) for (share, _), plan in zip(shares, plans)]
@@ -369,11 +369,14 @@ def _copies_refused(asks: Sequence[Ask]) -> Optional[str]:
 
 
 def plan_transfers(needs: Sequence[Sequence[Need]], once: bool,
-                   absent: Optional[Sequence[Optional[Dict[str, str]]]]) -> List[peers.Plan]:
+                   absent: Optional[Sequence[Optional[Dict[str, str]]]], block_size: int = 1,
+                   most: Optional[int] = None) -> List[peers.Plan]:
     """Each rank's part in the transfers (:func:`peers.assign`), each send with the pieces its reader checks.
     Loading copies (``absent`` given), a rank's ranges of one file within :data:`~nostall.loading.engine.
     COALESCE_GAP` of each other are one range: the spans the read engine reads (it coalesces such ranges) are
-    then held whole by a rank that lacks the file; a range several ranks name holds the pieces of each."""
+    then held whole by a rank that lacks the file; a range several ranks name holds the pieces of each; a
+    range longer than ``most`` bytes (:data:`~nostall.loading.peers.MESSAGE_MAX`) goes in several, cut at
+    checksum blocks of ``block_size`` bytes."""
     if absent is None:  # whole pieces, as they are
         return peers.assign(needs, peers.RECEIVE_CAP, absent, once)
     merged = [_merged(ns) for ns in needs]
@@ -383,8 +386,26 @@ def plan_transfers(needs: Sequence[Sequence[Need]], once: bool,
             into = every.setdefault(t, {})
             for c in cs:
                 into.setdefault((c[0], c[1].start), c)
-    return peers.assign([[(t, tuple(every[t].values())) for t, _ in ms] for ms in merged], peers.RECEIVE_CAP,
-                        absent, once)
+    cut = {t: _cut(t, tuple(cs.values()), block_size, most or peers.MESSAGE_MAX) for t, cs in every.items()}
+    return peers.assign([[n for t, _ in ms for n in cut[t]] for ms in merged], peers.RECEIVE_CAP, absent, once)
+
+
+def _cut(t: Transfer, cs: Tuple[Check, ...], bs: int, most: int) -> List[Need]:
+    """``t`` in ranges of about ``most`` bytes at most, each ending at a checksum block boundary of the piece it
+    cuts (a block over ``most`` bytes is one range's), each with the pieces it holds bytes of."""
+    name, a, hi = t
+    out: List[Need] = []
+    while hi - a > most:
+        x = a + most
+        for _, p in cs:
+            if p.start < x < p.end:  # the start of the block holding x, or its end when that start is not past a
+                down = p.start + (x - p.start) // bs * bs
+                x = down if down > a else min(p.end, down + bs)
+                break
+        out.append(((name, a, x), tuple(c for c in cs if c[1].start < x and c[1].end > a)))
+        a = x
+    out.append(((name, a, hi), tuple(c for c in cs if c[1].start < hi and c[1].end > a)))
+    return out
 
 
 def _merged(needs: Sequence[Need]) -> List[Need]:

@@ -54,6 +54,10 @@ Need = Tuple[Transfer, Tuple[Check, ...]]
 RECEIVE_CAP = 1 << 30
 """The most bytes of ranges a rank could read itself that it holds in one load, read once for others or
 received (held in memory until the load copies them)."""
+MESSAGE_MAX = 256 << 20
+"""Loading copies, the most bytes of one transfer (one message), about: a longer range a rank lacks is cut in
+several, each at a checksum block boundary of the piece it cuts, so that its reader still checks every block
+whole (:func:`nostall.loading.collective.plan_transfers`)."""
 _TAG = 8000  # + the transfer's number: each message of a load has a tag of its own
 _HEAD = 8  # status word in front of each message: byte 0: 0 the bytes follow, else an error message does (byte 1:
 # its class, an index in _KINDS)
