@@ -422,3 +422,39 @@ def test_memory_root_checks_only_the_files_its_host_holds(tmp_path):
     with pytest.raises(CheckpointSaveError, match="rank3.safetensors is missing"):
         os.unlink(tmp_path / "m" / ".tmp" / f"save-{SAVE}" / "rank3.safetensors")
         root.check_files(d, {f"rank{r}.safetensors": 2 for r in range(8)})
+
+
+def test_a_holder_takes_the_host_table_of_a_large_job(tmp_path):
+    """listen, then peers with the table of 32,768 ranks on 4,096 hosts (a message far over 64 KiB) over the
+    holder's unix socket: answered, and the holder's relay listens on TCP with the job's secret."""
+    import secrets as _secrets
+
+    from nostall.memory.holder import Holder
+    from nostall.memory.rendezvous import base_dir, connect
+
+    base = base_dir(str(tmp_path))
+    key = _secrets.token_hex(10)
+    holder = Holder(base, key, 60.0)
+    assert holder.start() == -1
+    serving = threading.Thread(target=holder.serve, daemon=True)
+    serving.start()
+    try:
+        link = connect(base, key, 5.0)
+        assert link is not None
+        got = link.ask({"op": "listen", "secret": SECRET, "addr": "127.0.0.1", "timeout": 5.0}, 5.0)
+        assert got["ok"] and isinstance(got["port"], int)
+        hosts = 4096
+        table = HostTable(tuple(r // 8 for r in range(8 * hosts)),
+                          tuple(("10.%d.%d.%d" % (h >> 16, (h >> 8) & 255, h & 255), 40000 + h) for h in range(hosts)),
+                          1)
+        got = link.ask({"op": "peers", "table": table.to_doc(), "host": 0, "keep": 1, "rate": None,
+                        "timeout": 5.0}, 10.0)
+        assert got == {"ok": True}, got
+        wire = connect_peer("127.0.0.1", holder.relay.port, SECRET, _soon())  # the relay answers peers
+        wire.close()
+        link.close()
+    finally:
+        holder.stop = "test over"
+        serving.join(5)
+        holder.cleanup()
+    assert not os.path.exists(os.path.join(base, key)) and holder.relay is None

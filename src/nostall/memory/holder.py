@@ -55,7 +55,8 @@ from typing import Dict, List, Optional
 
 from nostall.storage.root import lkind
 from nostall.memory.relay import Relay, holder_op
-from nostall.memory.rendezvous import PROTOCOL, log_path, mark_path, nostall_version, read_mark, send, socket_name
+from nostall.memory.rendezvous import (MAX_LINE, PROTOCOL, log_path, mark_path, nostall_version, read_mark, send,
+                                       socket_name)
 
 log = logging.getLogger("nostall")
 
@@ -200,7 +201,7 @@ class Holder:
             except (ValueError, TypeError, AttributeError, OSError):
                 self._drop(conn)
                 return
-        if len(buf) > 1 << 16:
+        if len(buf) > MAX_LINE:
             self._drop(conn)
 
     def _reply(self, conn: socket.socket, msg: Dict[str, object]) -> None:

@@ -41,7 +41,7 @@ log = logging.getLogger("nostall")
 
 PROTOCOL = 1
 DEFAULT_MEMORY_DIR = "/dev/shm"
-_MAX_LINE = 1 << 16
+MAX_LINE = 16 << 20  # one message on the holder's socket (a host table of a large job fits)
 
 
 class MemoryTierError(CheckpointError):
@@ -136,7 +136,7 @@ def recv(sock: socket.socket, buf: bytearray, deadline: float) -> Optional[Dict[
         if not chunk:
             return None
         buf += chunk
-        if len(buf) > _MAX_LINE:
+        if len(buf) > MAX_LINE:
             raise ValueError("message too long")
     line, _, rest = bytes(buf).partition(b"\n")
     buf[:] = rest
