@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
 
 from nostall.tools.bench import compare as bench
+from nostall.tools.bench import restore as restore_section
+
+
+def _bench_dirs():
+    return set(glob.glob("/dev/shm/nostall-bench-*"))
 
 
 def test_bench_smoke(tmp_path):
+    before = _bench_dirs()
     out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"),
                           small_mb=[1], small_reps=2)
     assert set(out) >= {"config", "machine", "systems", "loads", "training"}
@@ -29,8 +37,26 @@ def test_bench_smoke(tmp_path):
             "dcp_async_process"} <= set(out["training"])
     during, before = out["systems"]["nostall_overlap"]["compute_ms"][0]
     assert during > 0 and before > 0
+    # the restore section: fresh processes restored the memory snapshot, 0 bytes from the persistent root,
+    # every load equal to the saved state; its holder left by itself and its directory is gone
+    r = out["restore"]
+    assert r["unequal"] == [] and r["holders_stopped"] == []
+    for rank in ("0", "1"):
+        assert r["restored"][rank] == {"tier": "memory", "step": restore_section.PERSIST + 1,
+                                       "persistent_bytes_read": 0, "fell_back": None}
+        assert r["bytes_per_rank"][rank] > 0
+        for name in ("memory_first", "memory", "persistent", "dcp"):  # what each load's read calls returned
+            assert r["read_bytes"][rank][name] >= r["bytes_per_rank"][rank], (rank, name)
+    assert set(r["seconds"]) == set(restore_section.SYSTEMS)
+    assert len(r["seconds"]["memory_first"]) == 1 and all(len(r["seconds"][s]) == 1 for s in restore_section.SYSTEMS)
+    assert all(x > 0 for xs in r["seconds"].values() for x in xs)
+    assert all(math.isfinite(v) and v > 0 for v in r["over_memcpy"].values())
+    assert all(math.isfinite(v) and v > 0 for v in r["over_dcp"].values())
+    assert r["startup_s"]["total_s"] >= r["startup_s"]["manager_s"] > 0
+    assert not os.path.exists(r["memory_dir"]) and _bench_dirs() == before
     json.dumps(out)  # JSON-able
     table = bench.format_table(out)
+    assert "restore after a trainer crash" in table and "DCP load of the same state" in table
     assert "nostall_async" in table and "dcp_sync" in table and "nostall_overlap stall / nostall_async" in table
     assert "small states, async stall" in table and "  1.0 MiB" in table
     png = tmp_path / "p.png"
@@ -42,7 +68,8 @@ def test_bench_remote_destination(tmp_path, s3):
     """--remote adds nostall_async_remote (an s3:// save on the loopback server) and removes its prefix after."""
     bucket = s3.make_bucket("bench")
     out = bench.run_bench(ranks=2, mb=2, reps=1, systems=["nostall_async"], root=str(tmp_path / "run"), loads=False,
-                          train=False, remote=f"s3://{bucket}/b", storage_options=s3.storage_options)
+                          train=False, remote=f"s3://{bucket}/b", storage_options=s3.storage_options, restore=False)
+    assert out["restore"] == {}
     r = out["systems"][bench.REMOTE]
     assert len(r["stall_s"]) == 1 and r["commit_s"][0] >= r["stall_s"][0] > 0
     assert f"{bench.REMOTE} stall / nostall_async stall" in bench.format_table(out)

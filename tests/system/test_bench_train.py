@@ -5,6 +5,7 @@ No timing is asserted: only the shape of the figures, the verification counts, t
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 
@@ -15,7 +16,12 @@ def _finite(x: float) -> bool:
     return isinstance(x, float) and math.isfinite(x)
 
 
+def _bench_dirs():
+    return set(glob.glob("/dev/shm/nostall-bench-*"))
+
+
 def test_bench_train_smoke(tmp_path, capsys):
+    before = _bench_dirs()
     js, png = tmp_path / "bt.json", tmp_path / "bt.png"
     rc = bench_train.main(["--ranks", "2", "--mb-per-rank", "4", "--steps", "5", "--every", "2", "--reps", "1",
                            "--compute-ms", "10", "--dir", str(tmp_path / "run"), "--json", str(js), "--plot",
@@ -33,9 +39,13 @@ def test_bench_train_smoke(tmp_path, capsys):
     assert _finite(out["copy_floor_s"]["median"])
 
     # every checkpoint of every run loaded back and equal to the state at its save: step 0 and each save,
-    # per rank and compute model
+    # per rank and compute model; nostall_memory: what its run holds (step 0, persistent; the memory tier's
+    # newest, step 4, restored by load() from memory: --persist-every defaults to 10 x --every)
     assert out["mismatches"] == []
-    assert out["verified"] == {name: 2 * 2 * (1 + 2) for name in bench_train.SYSTEMS}
+    assert out["verified"] == {name: 2 * 2 * (2 if name == "nostall_memory" else 1 + 2)
+                               for name in bench_train.SYSTEMS}
+    assert c["persist_every"] == 20
+    assert c["memory_holders_stopped"] == [] and _bench_dirs() == before  # every holder left, its directory gone
 
     for compute in ("device", "host"):
         s = out["summary"][compute]
@@ -49,19 +59,20 @@ def test_bench_train_smoke(tmp_path, capsys):
                 assert r[field]["min"] <= r[field]["median"] <= r[field]["max"], (compute, name, field)
             for field in ("save_step_p50_s", "save_step_p99_s", "after_save_p50_s", "after_save_p99_s"):
                 assert _finite(r[field]) and r[field] > 0, (compute, name, field)
-            assert r["verified"] == 3  # rank 0's, in its one run
+            assert r["verified"] == (2 if name == "nostall_memory" else 3)  # rank 0's, in its one run
         assert "staged_wait_s" in s["nostall_overlap"]
         assert _finite(s["baseline"]["step_p99_s"])
         for name in bench_train.SYSTEMS:  # steps while a background save is in flight: nostall's async saves only
             r = s[name]
-            background = name in ("nostall_async", "nostall_overlap", "nostall_async_capped")
+            background = name in ("nostall_async", "nostall_overlap", "nostall_async_capped", "nostall_memory")
             assert _finite(r["in_flight_p50_s"]) == background, (compute, name)
             if background:  # the step after each save overlaps its writer's window, at least
                 assert r["in_flight_p50_s"] <= r["in_flight_p99_s"] and r["in_flight_steps_per_save"]["min"] >= 1
                 assert _finite(r["interference_per_save_s"]["median"]) and _finite(r["quiet_p50_s"])
         rs = out["ratios"][compute]
         assert {"nostall_async / copy_floor", "nostall_async / dcp_best_async", "nostall_overlap / nostall_async",
-                "nostall_sync / dcp_sync"} <= set(rs)
+                "nostall_sync / dcp_sync", "nostall_memory / nostall_async",
+                "nostall_memory call / copy_floor"} <= set(rs)
         run = out["runs"][compute]["nostall_overlap"][0]
         assert len(run["step_s"]) == 5 and [d["step"] for d in run["saves"]] == [2, 4]
         assert len(run["step_t0_s"]) == 5 and all(d["write_s"] > 0 and d["t_call_s"] > 0 for d in run["saves"])
@@ -70,6 +81,25 @@ def test_bench_train_smoke(tmp_path, capsys):
     assert "mismatches: 0" in table and "in flight" in table
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # each run's directory deleted
+
+
+def test_bench_train_memory_tier_with_a_persistent_save_in_the_run(tmp_path, capsys):
+    """nostall_memory with --persist-every 4: step 4 goes to the persistent root, 2 and 6 to memory; the run
+    ends holding 0 and 4 (persistent) and 6 (the memory tier's newest, restored by load() from memory)."""
+    before = _bench_dirs()
+    js = tmp_path / "bt.json"
+    rc = bench_train.main(["--ranks", "2", "--mb-per-rank", "4", "--steps", "7", "--every", "2", "--reps", "1",
+                           "--compute-ms", "10", "--compute", "device", "--systems", "nostall_memory,nostall_async",
+                           "--persist-every", "4", "--dir", str(tmp_path / "run"), "--json", str(js), "--quiet"])
+    assert rc == 0
+    out = json.loads(js.read_text())
+    assert out["config"]["save_steps"] == [2, 4, 6] and out["config"]["persist_every"] == 4
+    assert out["mismatches"] == [] and out["verified"] == {"nostall_memory": 2 * 3, "nostall_async": 2 * 4}
+    s = out["summary"]["device"]["nostall_memory"]
+    assert _finite(s["loss_pct"]["median"]) and s["call_s"]["median"] > 0
+    assert [d["step"] for d in out["runs"]["device"]["nostall_memory"][0]["saves"]] == [2, 4, 6]
+    assert out["config"]["memory_holders_stopped"] == [] and _bench_dirs() == before
+    assert "nostall_memory" in capsys.readouterr().out
 
 
 def test_bench_train_rejects_a_run_without_a_step_after_its_save():

@@ -10,9 +10,11 @@ import json
 import os
 import signal
 import socket
+import shutil
 import statistics
+import tempfile
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 # --------------------------------------------------------------------------- memory (Linux /proc)
 
@@ -53,6 +55,84 @@ def reset_peaks() -> None:
                 f.write("5")
         except OSError:
             pass
+
+
+def read_chars() -> Optional[int]:
+    """Bytes this process's read calls have returned so far (``rchar`` of /proc/self/io: files, page cache or
+    tmpfs alike), None where it cannot be read."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class MemoryDir:
+    """A memory tier directory of the bench's own (``MemoryTier.memory_dir``), so that a run leaves nothing.
+
+    A fresh ``nostall-bench-*`` directory under ``parent`` (default ``/dev/shm``, else the temporary
+    directory). :meth:`close` waits (bounded) for the holders whose marks are in it to exit (every manager
+    that released the tier makes its holder delete its root and exit), sends SIGTERM to one that does not
+    (a holder deletes its root and exits on it), then SIGKILL, and removes the directory: everything in it
+    is the bench's. A process is signalled only when its mark is in this directory and its command line
+    names this directory (the holder's arguments do), so never another job's.
+    """
+
+    def __init__(self, parent: Optional[str] = None) -> None:
+        parent = parent or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+        self.path = tempfile.mkdtemp(prefix="nostall-bench-", dir=parent)
+        self.signalled: List[int] = []  # holders that had to be stopped by close()
+
+    def __enter__(self) -> "MemoryDir":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def holders(self) -> List[int]:
+        """The pids of the live holders whose marks are in this directory."""
+        from nostall.memory.rendezvous import read_mark
+
+        base = os.path.join(self.path, f"nostall-{os.getuid()}")
+        try:
+            names = os.listdir(base)
+        except OSError:
+            return []
+        pids = []
+        for name in names:
+            mark = read_mark(base, name[: -len(".holder")]) if name.endswith(".holder") else None
+            if mark is not None and self._ours(mark["pid"]):
+                pids.append(mark["pid"])
+        return pids
+
+    def _ours(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            return False
+        return any(a.startswith(self.path.encode()) for a in args)
+
+    def close(self, bound: float = 15.0) -> None:
+        """Holders gone (bounded: ``bound`` seconds each for their own exit, SIGTERM, SIGKILL); directory removed."""
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            pids = self.holders()
+            if not pids:
+                break
+            for pid in pids:
+                if sig is not None:
+                    self.signalled.append(pid)
+                    try:
+                        os.kill(pid, sig)
+                    except OSError:
+                        pass
+            deadline = time.monotonic() + bound
+            while self.holders() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def local_tensors(state: Dict[str, Any]) -> List[Any]:

@@ -34,7 +34,11 @@ state), time until durable/committed, throughput, resident memory of the rank
 and of its helper processes; the first save separately. Then loads (same
 layout, and resharded to full tensors on every rank) and the training-side
 cost: step time of a small CPU model while a background save is written,
-relative to no save. See docs/benchmarks.md for the JSON schema.
+relative to no save. Last, the restore section (:mod:`.restore`; ``--no-restore``
+skips it): fresh processes, as a restarted trainer, restore the rank's state
+from the memory tier and from the persistent root, beside DCP's load of the
+same state and a memcpy of the rank's bytes. See docs/benchmarks.md for the
+JSON schema.
 
 Ctrl-C stops the ranks quietly; the table of what was measured so far is
 printed, and ``nostall bench`` exits with status 130.
@@ -55,7 +59,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from nostall.tools.argtypes import storage_options_arg
 from nostall.tools.bench import MODES, main as bench_main
-from nostall.tools.bench.common import (Interrupted, TrainLoop, child_pids, full_template, gather_ranks,
+from nostall.tools.bench import restore as restore_section
+from nostall.tools.bench.common import (Interrupted, MemoryDir, TrainLoop, child_pids, full_template, gather_ranks,
                                         local_tensors, median, quiet_dcp_process, report_partial, reset_peaks, rss_mb,
                                         serve_rank, write_outputs, zero_template)
 
@@ -70,8 +75,9 @@ SMALL = ("copy", "nostall_async", "dcp_async_thread")  # the small-state rows
 # --------------------------------------------------------------------------- helpers (in the ranks)
 
 
-def _make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
-    """Parameters (DTensor Shard(0) on a 1-D mesh, some replicated) and two moments each."""
+def make_state(rank: int, world: int, mb: int) -> Tuple[Dict[str, Any], int]:
+    """Parameters (DTensor Shard(0) on a 1-D mesh, some replicated) and two moments each; the same bytes for the
+    same arguments (seeded): the restore section rebuilds the saved state with it."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -146,7 +152,7 @@ class _Rank:
         self.torch, self.dist, self.dcp, self.nostall = torch, dist, dcp, nostall
         self.systems: List[str] = cfg["systems"]
         self.reps: int = cfg["reps"]
-        self.state, self.nbytes = _make_state(rank, world, cfg["mb"])
+        self.state, self.nbytes = make_state(rank, world, cfg["mb"])
         self.tensors = local_tensors(self.state)
         self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
         self.buf.zero_()  # touched once: the copy floor never pays page faults
@@ -348,7 +354,7 @@ class _Rank:
         """The small-state rows: for each of ``small_mb``, the async stall of nostall_async, dcp_async_thread
         and the copy floor (``small_reps`` saves of each after a first, every save once the last is durable)."""
         for mb in self.cfg.get("small_mb", ()):
-            state, nbytes = _make_state(self.rank, self.world, mb)
+            state, nbytes = make_state(self.rank, self.world, mb)
             tensors = local_tensors(state)
             buf = self.torch.empty(nbytes, dtype=self.torch.uint8)
             buf.zero_()
@@ -491,6 +497,9 @@ class _Rank:
         loads = self.loads() if self.cfg["loads"] else {}
         replica_check = self.replica_check() if "nostall_sync" in self.systems else {}
         training = self.training() if self.cfg["train"] else {}
+        if self.cfg.get("memory_dir"):  # the restore section's checkpoints, for the fresh processes that restore
+            self.say("restore section: saving to the persistent root, the memory tier and DCP")
+            restore_section.leave_snapshots(self.nostall, self.dcp, self.state, self.root, self.cfg["memory_dir"])
         self.close()
         return {"bytes": self.nbytes, "systems": self.res, "loads": loads, "training": training,
                 "replica_check": replica_check, "small": small}
@@ -526,7 +535,8 @@ def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int,
 def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional[str], loads: bool = True,
               train: bool = True, timeout: float = 1800.0, remote: Optional[str] = None,
               storage_options: Optional[Dict[str, Any]] = None, compute_ms: float = 200.0,
-              progress: bool = False, small_mb: Sequence[int] = (), small_reps: int = 10) -> Dict[str, Any]:
+              progress: bool = False, small_mb: Sequence[int] = (), small_reps: int = 10, restore: bool = True,
+              memory_dir: Optional[str] = None) -> Dict[str, Any]:
     """Run the benchmark; returns the JSON-able result (see docs/benchmarks.md).
 
     ``remote``: a URL under which ``nostall_async_remote`` saves (in a fresh
@@ -534,6 +544,9 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     per system and repetition (``[bench] nostall_async rep 2/3: stall ...``).
     ``small_mb``: the small states (MiB per rank) whose async stall is timed
     ``small_reps`` times, after the rest (the result's ``small``).
+    ``restore``: the restore section last (the result's ``restore``), its
+    memory tier in a directory of its own under ``memory_dir`` (default
+    ``/dev/shm``), removed afterwards.
     Interrupted (Ctrl-C), it returns what rank 0 had measured, with
     ``"interrupted": True``.
     """
@@ -549,17 +562,27 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
     cfg = {"mb": mb, "reps": reps, "systems": systems, "loads": loads, "train": train, "remote": remote,
            "storage_options": storage_options, "run_id": run_id, "compute_ms": compute_ms,
            "progress": progress, "small_mb": list(small_mb), "small_reps": small_reps}
+    memory = MemoryDir(memory_dir) if restore else None
+    cfg["memory_dir"] = memory.path if memory is not None else None
     if progress:
         print(f"[bench] starting {ranks} ranks x {mb} MiB, {reps} repetition(s) after a first save of each of "
               f"{', '.join(list(LIMITS) + list(systems))}", file=sys.stderr, flush=True)
     interrupted = False
+    restored: Dict[str, Any] = {}
     try:
         per_rank = gather_ranks(_worker, ranks, root, cfg, timeout)
+        if memory is not None:
+            if progress:
+                print(f"[bench] restore section: {ranks} fresh rank process(es) restore", file=sys.stderr, flush=True)
+            restored = restore_section.run_restore(ranks, root, mb, memory.path, max(1, reps), timeout)
     except Interrupted as e:  # what rank 0 had measured (nothing when it was still starting)
         interrupted = True
         per_rank = {0: e.partial.get(0) or {"bytes": 0, "systems": {}, "small": {}}}
         per_rank[0].update(loads={}, training={})
     finally:
+        if memory is not None:
+            memory.close()  # the holder is gone (released by the restarted managers), the directory removed
+            restored["holders_stopped"] = memory.signalled
         if own:
             shutil.rmtree(root, ignore_errors=True)
         if remote is not None:
@@ -577,6 +600,7 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
         "training": r0["training"],
         "replica_check": r0.get("replica_check", {}),
         "small": r0.get("small", {}),
+        "restore": restored,
     }
 
 
@@ -635,6 +659,8 @@ def format_table(out: Dict[str, Any]) -> str:
                 lines.append(f"  training step while {name} writes: {r['step_s'] * 1e3:.2f} ms "
                              f"(x{r['slowdown']:.2f} of {r['baseline_step_s'] * 1e3:.2f} ms just before; "
                              f"{r['steps']} steps)")
+    if out.get("restore", {}).get("seconds"):
+        lines += [""] + restore_section.table(out["restore"])
     return "\n".join(lines)
 
 
@@ -728,6 +754,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--plot", default=None, help="draw stall and time-to-durable per system (PNG; default: none)")
     ap.add_argument("--no-load", action="store_true", help="skip the load measurements")
     ap.add_argument("--no-train", action="store_true", help="skip the training-interference measurement")
+    ap.add_argument("--no-restore", action="store_true",
+                    help="skip the restore section (restore after a trainer crash from the memory tier and the "
+                         "persistent root, beside DCP's load, in fresh processes)")
+    ap.add_argument("--memory-dir", default=None, metavar="DIR",
+                    help="the restore section's memory tier under this tmpfs directory (default: /dev/shm)")
     ap.add_argument("--compute-ms", type=float, default=200.0, metavar="MS",
                     help="nostall_overlap: forward/backward time between save() and the optimizer step "
                          "(default: %(default)s)")
@@ -750,7 +781,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = run_bench(args.ranks, args.mb_per_rank, args.reps, systems, args.dir, loads=not args.no_load,
                     train=not args.no_train, remote=args.remote, storage_options=args.storage_options,
                     compute_ms=args.compute_ms, progress=not args.quiet,
-                    small_mb=[int(x) for x in args.small_mb.split(",") if x], small_reps=args.small_reps)
+                    small_mb=[int(x) for x in args.small_mb.split(",") if x], small_reps=args.small_reps,
+                    restore=not args.no_restore, memory_dir=args.memory_dir)
     write_outputs(out, format_table(out), args.json, None if out["interrupted"] else args.plot, plot)
     return 130 if out["interrupted"] else 0
 

@@ -24,6 +24,13 @@ broken down into the wait for the previous save (write backpressure), the
 call itself, and the wait before the next ``optimizer.step()`` (overlapped
 and DCP async-staging saves).
 
+``nostall_memory`` is ``nostall_async`` with the memory tier
+(``memory_tier=MemoryTier(persist_every=--persist-every)``, default 10 x
+``--every``): a save goes to host shared memory, and to the persistent root
+when its step is a multiple of ``--persist-every``. Its tier lives in a
+directory of the run's own under ``--memory-dir`` (default ``/dev/shm``),
+released by each run's ``close()`` and removed at the end.
+
 *Interference*: the steps that run while a nostall background save is in
 flight (from its call until its writer is done, by the writer's own write and
 commit times) are timed apart from the run's other steps and the baseline's:
@@ -35,7 +42,10 @@ Every checkpoint is verified: an untimed reference pass replays the same
 optimizer trajectory (Adam on fixed gradients is deterministic: every run
 starts from the same reset state) and records a CRC32C of every local tensor
 at every save step; after each run, every checkpoint it wrote is loaded back
-and compared. Nothing is digested inside a timed run. See docs/benchmarks.md
+and compared (``nostall_memory``: every checkpoint the run still holds: its
+persistent ones, and the memory tier's newest, which ``load()`` must restore
+from the memory tier with 0 bytes read from the persistent root; the tier
+keeps one snapshot). Nothing is digested inside a timed run. See docs/benchmarks.md
 ("End to end") for the JSON schema.
 """
 
@@ -54,11 +64,12 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from nostall.tools.bench.common import (TrainLoop, gather_ranks, local_tensors, quiet_dcp_process, serve_rank,
-                                        write_outputs, zero_template)
+from nostall.tools.bench.common import (MemoryDir, TrainLoop, gather_ranks, local_tensors, quiet_dcp_process,
+                                        serve_rank, write_outputs, zero_template)
 
-SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "nostall_async_capped", "dcp_sync", "dcp_async_process",
-           "dcp_async_staging", "torch_save")
+SYSTEMS = ("nostall_sync", "nostall_async", "nostall_overlap", "nostall_async_capped", "nostall_memory", "dcp_sync",
+           "dcp_async_process", "dcp_async_staging", "torch_save")
+MEMORY_PERSIST_X = 10  # nostall_memory: a persistent save every 10 saves by default (--persist-every = 10 x --every)
 CAPPED_MB_S = 200.0  # nostall_async_capped: Options.max_write_rate, MB/s per rank (--capped-mb-s)
 COMPUTE = ("device", "host")
 DCP_ASYNC = ("dcp_async_process", "dcp_async_staging")
@@ -174,14 +185,24 @@ class _System:
         """Load checkpoint ``step`` into ``template``: (local tensors, the saved ``step`` value)."""
         raise NotImplementedError
 
+    def kept(self, save_steps: List[int]) -> List[int]:
+        """The checkpoints a run holds at its end, each verified: step 0 (the untimed first save) and every save."""
+        return [0] + save_steps
+
+    def restore_problem(self, step: int) -> Optional[str]:
+        """After :meth:`load_into` of ``step``: what was wrong with how it was restored (None: nothing)."""
+        return None
+
     def teardown(self) -> None:
         pass
 
 
 class _Nostall(_System):
-    def __init__(self, ctx: "_Rank", async_save: bool, overlap: bool, max_write_rate: Optional[float] = None) -> None:
+    def __init__(self, ctx: "_Rank", async_save: bool, overlap: bool, max_write_rate: Optional[float] = None,
+                 memory_tier: Any = None) -> None:
         super().__init__(ctx)
         self.async_save, self.overlap, self.max_write_rate = async_save, overlap, max_write_rate
+        self.memory_tier = memory_tier
         self.mgr: Any = None
         self.handles: List[Any] = []
 
@@ -191,7 +212,8 @@ class _Nostall(_System):
         super().setup(run_dir)
         self.handles = []
         self.mgr = nostall.CheckpointManager(run_dir, keep_last=None, async_save=self.async_save,
-                                             overlap=self.overlap, max_write_rate=self.max_write_rate)
+                                             overlap=self.overlap, max_write_rate=self.max_write_rate,
+                                             memory_tier=self.memory_tier)
         if self.overlap:
             self.mgr.attach(self.ctx.st.optimizer)  # its step() waits until the copy is done
         self.mgr.prepare(self.ctx.st.state)  # plan and staging area ahead, as a trainer's set-up would
@@ -219,8 +241,57 @@ class _Nostall(_System):
 
     def teardown(self) -> None:
         if self.mgr is not None:
-            self.mgr.close()
+            self.mgr.close()  # with a memory tier: released (its holder deletes it and exits)
             self.mgr = None
+
+
+class _NostallMemory(_Nostall):
+    """``nostall_memory``: async saves with the memory tier (``persist_every`` steps apart to the persistent root).
+
+    The tier keeps one committed snapshot (``MemoryTier.keep``), so a run ends holding its persistent
+    checkpoints and the newest memory one: those are verified. When that memory step is newer than the
+    newest persistent one it is the freshest tier, and it is loaded through ``load()`` as a restarted
+    trainer's restore (it must come from memory, 0 bytes read from the persistent root); the others by path.
+    """
+
+    def __init__(self, ctx: "_Rank", persist_every: int, memory_dir: str) -> None:
+        from nostall.options import MemoryTier
+
+        super().__init__(ctx, async_save=True, overlap=False,
+                         memory_tier=MemoryTier(persist_every=persist_every, memory_dir=memory_dir))
+        persistent = [s for s in [0] + ctx.save_steps if s % persist_every == 0]
+        memory = [s for s in ctx.save_steps if s % persist_every]
+        self.held = sorted(persistent + memory[-1:])  # what a run ends holding
+        self.freshest: Optional[int] = memory[-1] if memory and memory[-1] > persistent[-1] else None
+        self.paths: Dict[int, str] = {}  # step -> its checkpoint, in either tier
+
+    def setup(self, run_dir: str) -> None:
+        super().setup(run_dir)
+        self.paths = {}
+
+    def save(self, step: int) -> None:
+        super().save(step)
+        self.paths[step] = self.handles[-1].path
+
+    def kept(self, save_steps: List[int]) -> List[int]:
+        return self.held
+
+    def load_into(self, step: int, template: Dict[str, Any]) -> Tuple[List[Any], Any]:
+        if step == self.freshest:
+            restored = self.mgr.load(template)  # the freshest complete tier: the memory snapshot
+        else:
+            restored = self.mgr.load(template, path=self.paths[step])
+        return local_tensors(template), restored["step"]
+
+    def restore_problem(self, step: int) -> Optional[str]:
+        r = self.mgr.last_restore
+        if step != self.freshest:
+            return None
+        if r is not None and (r.tier, r.step, r.persistent_bytes_read) == ("memory", step, 0):
+            return None
+        got = "no restore" if r is None else (f"tier {r.tier}, step {r.step}, {r.persistent_bytes_read} bytes read "
+                                              f"from the persistent root (fell back: {r.fell_back})")
+        return f"{self.name} rank {self.ctx.rank} step {step}: load() did not restore it from the memory tier ({got})"
 
 
 class _DcpSync(_System):
@@ -424,11 +495,14 @@ class _Rank:
     def verify(self, system: _System, template: Dict[str, Any]) -> Tuple[int, List[str]]:
         """Load every checkpoint of the run (step 0 and each save) and compare with the reference digests."""
         n, bad = 0, []
-        for s in [0] + self.save_steps:
+        for s in system.kept(self.save_steps):
             for t in local_tensors(template):
                 t.zero_()
             template["step"] = -1
             tensors, step = system.load_into(s, template)
+            problem = system.restore_problem(s)
+            if problem:
+                bad.append(problem)
             got = self.st.digests(tensors)
             n += 1
             if step != s:
@@ -445,7 +519,9 @@ class _Rank:
         made: Dict[str, _System] = {}
         for name in names:
             sysobj: _System
-            if name.startswith("nostall_"):
+            if name == "nostall_memory":
+                sysobj = _NostallMemory(self, self.cfg["persist_every"], self.cfg["memory_dir"])
+            elif name.startswith("nostall_"):
                 sysobj = _Nostall(self, async_save=name != "nostall_sync", overlap=name == "nostall_overlap",
                                   max_write_rate=self.cfg.get("capped_mb_s", CAPPED_MB_S) * 1e6
                                   if name == "nostall_async_capped" else None)
@@ -668,6 +744,11 @@ def ratios(summary: Dict[str, Dict[str, Any]], copy_floor: float) -> Dict[str, D
             return s[name]["overhead_per_save_s"]["median"] if name in s else float("nan")
 
         r: Dict[str, float] = {}
+        if "nostall_memory" in s:
+            r["nostall_memory / copy_floor"] = o("nostall_memory") / copy_floor
+            r["nostall_memory call / copy_floor"] = s["nostall_memory"]["call_s"]["median"] / copy_floor
+            if "nostall_async" in s:
+                r["nostall_memory / nostall_async"] = o("nostall_memory") / o("nostall_async")
         if "nostall_async" in s:
             r["nostall_async / copy_floor"] = o("nostall_async") / copy_floor
             dcps = [o(n) for n in DCP_ASYNC if n in s]
@@ -705,17 +786,28 @@ def saturation(out: Dict[str, Any]) -> Optional[str]:
 def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, reps: int = 3,
               systems: Sequence[str] = SYSTEMS, compute: Sequence[str] = COMPUTE, compute_ms: float = 150.0,
               root: Optional[str] = None, progress: bool = False, timeout: float = 7200.0,
-              capped_mb_s: float = CAPPED_MB_S) -> Dict[str, Any]:
-    """Run the end-to-end benchmark; returns the JSON-able result (see docs/benchmarks.md)."""
+              capped_mb_s: float = CAPPED_MB_S, persist_every: Optional[int] = None,
+              memory_dir: Optional[str] = None) -> Dict[str, Any]:
+    """Run the end-to-end benchmark; returns the JSON-able result (see docs/benchmarks.md).
+
+    ``persist_every``: nostall_memory's ``MemoryTier.persist_every`` (default
+    10 x ``every``); ``memory_dir``: where its tier's own directory is made
+    (default ``/dev/shm``; removed after the run)."""
     import torch
 
     if every < 1 or steps <= every:
         raise ValueError(f"--steps ({steps}) must exceed --every ({every}) >= 1: a run needs a save and a step after")
+    persist_every = MEMORY_PERSIST_X * every if persist_every is None else persist_every
+    if persist_every < 1:
+        raise ValueError(f"--persist-every must be >= 1, got {persist_every}")
     own = root is None
     root = root or tempfile.mkdtemp(prefix="nostall-bench-train-")
     os.makedirs(root, exist_ok=True)
     cfg = {"mb": mb, "steps": steps, "every": every, "reps": reps, "systems": list(systems),
-           "compute": list(compute), "compute_ms": compute_ms, "progress": progress, "capped_mb_s": capped_mb_s}
+           "compute": list(compute), "compute_ms": compute_ms, "progress": progress, "capped_mb_s": capped_mb_s,
+           "persist_every": persist_every}
+    memory = MemoryDir(memory_dir) if "nostall_memory" in systems else None
+    cfg["memory_dir"] = memory.path if memory is not None else None
     if progress:
         print(f"[bench train] {ranks} ranks x {mb} MiB, {steps} steps of {compute_ms:g} ms compute "
               f"({', '.join(compute)}), a save every {every}; {reps} repetition(s) of baseline, "
@@ -723,6 +815,8 @@ def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, re
     try:
         per_rank = gather_ranks(_worker, ranks, root, cfg, timeout, "benchmark")
     finally:
+        if memory is not None:
+            memory.close()  # every run's holder gone (released by its close()), the directory removed
         if own:
             shutil.rmtree(root, ignore_errors=True)
     r0 = per_rank[0]
@@ -745,6 +839,8 @@ def run_bench(ranks: int = 2, mb: int = 256, steps: int = 60, every: int = 3, re
                    "systems": list(systems), "compute": list(compute), "compute_ms": compute_ms,
                    "host_passes": r0["host_passes"], "host_pass_ms": r0["host_pass_s"] * 1e3,
                    "optimizer": "torch.optim.Adam(foreach=False)", "backend": "gloo",
+                   "persist_every": persist_every,
+                   "memory_holders_stopped": memory.signalled if memory is not None else [],
                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
         "machine": {"cpus": cpus, "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "cuda": torch.cuda.is_available()},
@@ -887,6 +983,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "temporary directory)")
     ap.add_argument("--capped-mb-s", type=float, default=CAPPED_MB_S, metavar="MB_S",
                     help="nostall_async_capped: its writers' max_write_rate, MB/s per rank (default: %(default)s)")
+    ap.add_argument("--persist-every", type=int, default=None, metavar="STEPS",
+                    help="nostall_memory: a save goes to the persistent root when its step is a multiple of this, "
+                         f"to the memory tier otherwise (default: {MEMORY_PERSIST_X} x --every)")
+    ap.add_argument("--memory-dir", default=None, metavar="DIR",
+                    help="nostall_memory: its tier under this tmpfs directory (default: /dev/shm)")
     ap.add_argument("--json", default=None, help="write every figure to this file")
     ap.add_argument("--plot", default=None, help="draw the per-save overheads (PNG)")
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -897,7 +998,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"unknown system(s) {bad}; choose from {SYSTEMS}")
     compute = list(COMPUTE) if args.compute == "both" else [args.compute]
     out = run_bench(args.ranks, args.mb_per_rank, args.steps, args.every, args.reps, systems, compute,
-                    args.compute_ms, args.dir, progress=not args.quiet, capped_mb_s=args.capped_mb_s)
+                    args.compute_ms, args.dir, progress=not args.quiet, capped_mb_s=args.capped_mb_s,
+                    persist_every=args.persist_every, memory_dir=args.memory_dir)
     write_outputs(out, format_table(out), args.json, args.plot, plot)
     if out["mismatches"]:
         print(f"nostall bench train: {len(out['mismatches'])} checkpoint(s) differ from the state at their save",
