@@ -40,7 +40,7 @@ def test_bench_smoke(tmp_path):
     # the restore section: fresh processes restored the memory snapshot, 0 bytes from the persistent root,
     # every load equal to the saved state; its holder left by itself and its directory is gone
     r = out["restore"]
-    assert r["unequal"] == [] and r["holders_stopped"] == []
+    assert r["problems"] == [] and r["holders_stopped"] == []
     for rank in ("0", "1"):
         assert r["restored"][rank] == {"tier": "memory", "step": restore_section.PERSIST + 1,
                                        "persistent_bytes_read": 0, "fell_back": None}

@@ -497,12 +497,14 @@ class _Rank:
         loads = self.loads() if self.cfg["loads"] else {}
         replica_check = self.replica_check() if "nostall_sync" in self.systems else {}
         training = self.training() if self.cfg["train"] else {}
+        leave_s = None
         if self.cfg.get("memory_dir"):  # the restore section's checkpoints, for the fresh processes that restore
             self.say("restore section: saving to the persistent root, the memory tier and DCP")
-            restore_section.leave_snapshots(self.nostall, self.dcp, self.state, self.root, self.cfg["memory_dir"])
+            leave_s = restore_section.leave_snapshots(self.nostall, self.dcp, self.state, self.root,
+                                                      self.cfg["memory_dir"])
         self.close()
         return {"bytes": self.nbytes, "systems": self.res, "loads": loads, "training": training,
-                "replica_check": replica_check, "small": small}
+                "replica_check": replica_check, "small": small, "restore_leave_s": leave_s}
 
 
 def _time_replica_check(state: Dict[str, Any], rank: int, world: int, reps: int, dist: Any) -> Dict[str, Any]:
@@ -575,6 +577,7 @@ def run_bench(ranks: int, mb: int, reps: int, systems: List[str], root: Optional
             if progress:
                 print(f"[bench] restore section: {ranks} fresh rank process(es) restore", file=sys.stderr, flush=True)
             restored = restore_section.run_restore(ranks, root, mb, memory.path, max(1, reps), timeout)
+            restored["leave_s"] = per_rank[0]["restore_leave_s"]  # the section's saves, in the bench's ranks
     except Interrupted as e:  # what rank 0 had measured (nothing when it was still starting)
         interrupted = True
         per_rank = {0: e.partial.get(0) or {"bytes": 0, "systems": {}, "small": {}}}

@@ -57,9 +57,11 @@ def _tier(memory_dir: str) -> Any:
     return MemoryTier(persist_every=PERSIST, memory_dir=memory_dir, idle_s=IDLE_S)
 
 
-def leave_snapshots(nostall: Any, dcp: Any, state: Dict[str, Any], root: str, memory_dir: str) -> None:
+def leave_snapshots(nostall: Any, dcp: Any, state: Dict[str, Any], root: str, memory_dir: str) -> float:
     """In a rank of ``nostall bench`` (collective): the persistent and memory checkpoints of ``state`` and DCP's,
-    the manager left as a crashed trainer's (the holder keeps the memory snapshot for :func:`run_restore`)."""
+    the manager left as a crashed trainer's (the holder keeps the memory snapshot for :func:`run_restore`).
+    Returns the seconds it took (the section's cost, not a figure of it)."""
+    t0 = time.perf_counter()
     d = _dirs(root)
     try:
         with nostall.CheckpointManager(d["run"], async_save=True, memory_tier=_tier(memory_dir)) as mgr:
@@ -69,6 +71,7 @@ def leave_snapshots(nostall: Any, dcp: Any, state: Dict[str, Any], root: str, me
     except _Crash:
         pass
     dcp.save(state, checkpoint_id=d["dcp"])
+    return time.perf_counter() - t0
 
 
 def _worker(rank: int, world: int, init: str, root: str, cfg: Dict[str, Any], q: Any) -> None:
@@ -104,7 +107,7 @@ class _Restarted:
         self.startup = {"process_s": entered - cfg["launched"], "group_s": self.joined - entered,
                         "manager_s": ready - t0}
         self.startup["total_s"] = sum(self.startup.values())
-        self.unequal: List[str] = []
+        self.problems: List[str] = []
 
     def _timed(self, name: str, load: Any) -> Dict[str, Optional[float]]:
         """One load into the zeroed template: its time and the bytes its read calls returned; checked equal."""
@@ -117,7 +120,7 @@ class _Restarted:
         seconds = time.perf_counter() - t0
         r1 = read_chars()
         if not all(self.torch.equal(a, b) for a, b in zip(self.tensors, self.source)):
-            self.unequal.append(f"rank {self.rank}: {name}: the loaded tensors differ from the saved state")
+            self.problems.append(f"rank {self.rank}: {name}: the loaded tensors differ from the saved state")
         return {"s": seconds, "read_bytes": None if r0 is None or r1 is None else float(r1 - r0)}
 
     def _memcpy(self) -> float:
@@ -139,6 +142,9 @@ class _Restarted:
         try:
             first = self._timed("memory_first", lambda: mgr.load(tmpl))
             r = self._restored()
+            if r.tier != "memory":
+                self.problems.append(f"rank {self.rank}: the first restore came from {r.tier}, not the memory tier "
+                                     f"(fell back: {r.fell_back})")
             restored = {"tier": r.tier, "step": r.step, "persistent_bytes_read": r.persistent_bytes_read,
                         "fell_back": r.fell_back}
             times: Dict[str, List[float]] = {s: [] for s in SYSTEMS}
@@ -155,25 +161,28 @@ class _Restarted:
                     times[name].append(float(got["s"] or 0.0))
                     reads[name].append(got["read_bytes"])
                     if name == "memory" and self._restored().tier != "memory":
-                        self.unequal.append(f"rank {self.rank}: a restore came from {self._restored().tier}, "
+                        self.problems.append(f"rank {self.rank}: a restore came from {self._restored().tier}, "
                                             "not the memory tier")
                 times["memcpy"].append(self._memcpy())
         finally:
             mgr.close()  # clean: releases the memory tier (its holder deletes it and exits)
         return {"bytes": self.nbytes, "startup": self.startup, "restored": restored, "seconds": times,
-                "read_bytes": reads, "unequal": self.unequal}
+                "read_bytes": reads, "problems": self.problems}
 
 
 def run_restore(ranks: int, root: str, mb: int, memory_dir: str, rounds: int, timeout: float) -> Dict[str, Any]:
     """The second half (launcher side): fresh rank processes restore what :func:`leave_snapshots` left; the
     section's figures (rank 0's times, every rank's bytes; ratios of the medians against the memcpy)."""
     cfg = {"mb": mb, "memory_dir": memory_dir, "rounds": max(1, rounds), "launched": time.time()}
+    t0 = time.perf_counter()
     per_rank = gather_ranks(_worker, ranks, root, cfg, timeout, "restore")
+    restart_s = time.perf_counter() - t0
     r0 = per_rank[0]
     secs = r0["seconds"]
     memcpy = median(secs["memcpy"])
     out: Dict[str, Any] = {
         "rounds": cfg["rounds"], "persist_every": PERSIST, "memory_dir": memory_dir,
+        "restart_s": restart_s,  # the restarted processes, start to end (with leave_s: what the section costs)
         "startup_s": {k: statistics.median(per_rank[r]["startup"][k] for r in per_rank) for k in r0["startup"]},
         "seconds": secs,
         "over_memcpy": {s: median(secs[s]) / memcpy if memcpy > 0 else float("nan") for s in SYSTEMS},
@@ -182,7 +191,7 @@ def run_restore(ranks: int, root: str, mb: int, memory_dir: str, rounds: int, ti
         "read_bytes": {str(r): {s: median([x for x in per_rank[r]["read_bytes"][s] if x is not None])
                                 for s in SYSTEMS if s != "memcpy"} for r in sorted(per_rank)},
         "bytes_per_rank": {str(r): per_rank[r]["bytes"] for r in sorted(per_rank)},
-        "unequal": [u for r in sorted(per_rank) for u in per_rank[r]["unequal"]],
+        "problems": [u for r in sorted(per_rank) for u in per_rank[r]["problems"]],
     }
     return out
 
@@ -208,7 +217,11 @@ def table(r: Dict[str, Any]) -> List[str]:
                      + (f"{read / 2**20:>18.1f}" if read is not None else f"{'':>18}"))
     persistent = {rank: x["persistent_bytes_read"] for rank, x in r["restored"].items()}
     tiers = sorted({x["tier"] for x in r["restored"].values()})
+    lines.append(f"  the section took {r.get('leave_s', float('nan')) + r['restart_s']:.1f} s (saves "
+                 f"{r.get('leave_s', float('nan')):.1f} s, restarted processes {r['restart_s']:.1f} s)")
+    problems = r["problems"]
     lines.append(f"  restored from: {', '.join(tiers)} (step {r['restored']['0']['step']}); bytes read from the "
-                 f"persistent root per rank: {', '.join(f'{k}: {v}' for k, v in persistent.items())}; loads equal "
-                 f"to the saved state: {'all' if not r['unequal'] else 'NOT ' + '; '.join(r['unequal'][:4])}")
+                 f"persistent root per rank: {', '.join(f'{k}: {v}' for k, v in persistent.items())}; every load "
+                 "equal to the saved state, from the tier named: "
+                 + ("yes" if not problems else "NO: " + "; ".join(problems[:4])))
     return lines + [""]
