@@ -497,12 +497,12 @@ class _Rank:
         loads = self.loads() if self.cfg["loads"] else {}
         replica_check = self.replica_check() if "nostall_sync" in self.systems else {}
         training = self.training() if self.cfg["train"] else {}
+        self.close()  # (the other systems' staging areas released first)
         leave_s = None
         if self.cfg.get("memory_dir"):  # the restore section's checkpoints, for the fresh processes that restore
             self.say("restore section: saving to the persistent root, the memory tier and DCP")
             leave_s = restore_section.leave_snapshots(self.nostall, self.dcp, self.state, self.root,
                                                       self.cfg["memory_dir"])
-        self.close()
         return {"bytes": self.nbytes, "systems": self.res, "loads": loads, "training": training,
                 "replica_check": replica_check, "small": small, "restore_leave_s": leave_s}
 
