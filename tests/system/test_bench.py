@@ -16,7 +16,7 @@ def _bench_dirs():
 
 
 def test_bench_smoke(tmp_path):
-    before = _bench_dirs()
+    shm_before = _bench_dirs()
     out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"),
                           small_mb=[1], small_reps=2)
     assert set(out) >= {"config", "machine", "systems", "loads", "training"}
@@ -48,12 +48,12 @@ def test_bench_smoke(tmp_path):
         for name in ("memory_first", "memory", "persistent", "dcp"):  # what each load's read calls returned
             assert r["read_bytes"][rank][name] >= r["bytes_per_rank"][rank], (rank, name)
     assert set(r["seconds"]) == set(restore_section.SYSTEMS)
-    assert len(r["seconds"]["memory_first"]) == 1 and all(len(r["seconds"][s]) == 1 for s in restore_section.SYSTEMS)
+    assert all(len(r["seconds"][s]) == 1 for s in restore_section.SYSTEMS)  # the first load, then reps=1 round
     assert all(x > 0 for xs in r["seconds"].values() for x in xs)
     assert all(math.isfinite(v) and v > 0 for v in r["over_memcpy"].values())
     assert all(math.isfinite(v) and v > 0 for v in r["over_dcp"].values())
     assert r["startup_s"]["total_s"] >= r["startup_s"]["manager_s"] > 0
-    assert not os.path.exists(r["memory_dir"]) and _bench_dirs() == before
+    assert not os.path.exists(r["memory_dir"]) and _bench_dirs() == shm_before
     json.dumps(out)  # JSON-able
     table = bench.format_table(out)
     assert "restore after a trainer crash" in table and "DCP load of the same state" in table
