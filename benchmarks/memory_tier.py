@@ -33,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", default=None, help="write every figure to this file")
     a = ap.parse_args(argv)
     args = ["--ranks", str(a.ranks), "--mb-per-rank", str(a.mb), "--reps", str(a.rounds), "--systems", "",
-            "--no-load", "--no-train", "--small-mb", ""]
+            "--no-load", "--no-train", "--small-mb", "", "--restore"]
     args += ["--memory-dir", a.memory_dir] if a.memory_dir else []
     args += ["--json", a.json] if a.json else []
     return compare.main(args)

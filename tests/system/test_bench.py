@@ -18,7 +18,7 @@ def _bench_dirs():
 def test_bench_smoke(tmp_path):
     shm_before = _bench_dirs()
     out = bench.run_bench(ranks=2, mb=2, reps=1, systems=list(bench.SYSTEMS), root=str(tmp_path / "run"),
-                          small_mb=[1], small_reps=2)
+                          small_mb=[1], small_reps=2, restore=True)
     assert set(out) >= {"config", "machine", "systems", "loads", "training"}
     assert out["config"]["ranks"] == 2 and out["config"]["bytes_per_rank"] > 0
     assert set(out["systems"]) == set(bench.SYSTEMS) | set(bench.LIMITS)
@@ -68,7 +68,7 @@ def test_bench_remote_destination(tmp_path, s3):
     """--remote adds nostall_async_remote (an s3:// save on the loopback server) and removes its prefix after."""
     bucket = s3.make_bucket("bench")
     out = bench.run_bench(ranks=2, mb=2, reps=1, systems=["nostall_async"], root=str(tmp_path / "run"), loads=False,
-                          train=False, remote=f"s3://{bucket}/b", storage_options=s3.storage_options, restore=False)
+                          train=False, remote=f"s3://{bucket}/b", storage_options=s3.storage_options)
     assert out["restore"] == {}
     r = out["systems"][bench.REMOTE]
     assert len(r["stall_s"]) == 1 and r["commit_s"][0] >= r["stall_s"][0] > 0
