@@ -74,3 +74,34 @@ def test_bench_remote_destination(tmp_path, s3):
     assert len(r["stall_s"]) == 1 and r["commit_s"][0] >= r["stall_s"][0] > 0
     assert f"{bench.REMOTE} stall / nostall_async stall" in bench.format_table(out)
     assert s3.filesystem().ls(bucket, refresh=True) == []  # the bench's prefix is gone
+
+
+def test_memory_dir_stops_a_holder_left_behind_and_removes_itself():
+    """A bench's tier directory (common.MemoryDir): a holder no manager released (a crashed run) is stopped by
+    close(), which names it, and the directory is gone; a holder of another directory is never touched."""
+    from nostall.memory.rendezvous import base_dir, ensure_holder
+    from nostall.tools.bench.common import MemoryDir
+    from tests.dist_harness import process_alive
+
+    other = MemoryDir()  # another job's tier, here a second directory: its holder must survive the first's close()
+    md = MemoryDir()
+    links = []
+    try:
+        for d in (md, other):
+            link, proc = ensure_holder(base_dir(d.path), ("a" if d is md else "b") * 20, 600.0, 30.0)
+            link.ask({"op": "attach", "rank": 0}, 30.0)
+            links.append((link, proc))
+            link.close()  # left without a release, as by a crashed trainer: the holder waits (idle_s 600)
+        mine, theirs = links[0][0].pid, links[1][0].pid
+        assert md.holders() == [mine] and other.holders() == [theirs]
+        md.close()
+        assert md.signalled == [mine] and not os.path.exists(md.path)
+        links[0][1].wait(10)  # (started by this process: reaped here)
+        assert not process_alive(mine) and process_alive(theirs)
+    finally:
+        other.close()
+        md.close()
+        for _, proc in links:
+            if proc is not None:
+                proc.wait(10)
+    assert other.signalled == [theirs] and not os.path.exists(other.path)
