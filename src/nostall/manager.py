@@ -63,10 +63,13 @@ class _Preemption:
         self.shield = 0  # depth of uncut manager calls in the main thread
         self.due: Optional[bool] = None  # a deferred forward: whether the manager was active at the signal
         self.main = threading.main_thread().ident
+        self.notify: Optional[Callable[[int], None]] = None  # the memory tier's, where no wakeup fd reports it
 
     def __call__(self, signum: int, frame: Any) -> None:
         if self.at is None:
             self.at = time.monotonic()
+            if self.notify is not None:  # never waits, never raises (memory.tier.Tiers.watch)
+                self.notify(signum)
         if self.shield and self.active:
             self.due = True
             return
@@ -306,7 +309,7 @@ class CheckpointManager:
             return
         if self._root is None:
             raise CheckpointError("memory_tier needs a root (the persistent tier): pass one, or drop memory_tier")
-        self._tiers = Tiers(self.options, self._root.url, self._comm)
+        self._tiers = Tiers(self.options, self._root.url, self._comm, self._root.held_lock())
 
     def _install_exit_handlers(self) -> None:
         """__init__, phase 3: close at exit (a weak reference: the manager may be collected first), and
@@ -324,6 +327,8 @@ class CheckpointManager:
         self._at_exit = at_exit
         atexit.register(at_exit)
         self._install_preemption()
+        if self._tiers is not None and self._preemption is not None:
+            self._tiers.watch(self._preemption)  # the holder's last save on preemption learns of the signal
 
     def _install_preemption(self) -> None:
         """Handle ``preemption_signal`` (a saving manager on the main thread): a :class:`_Preemption` in front

@@ -270,7 +270,7 @@ def _copy_piece(files: DataFiles, o: _Out, out: FileWriter, buf: memoryview, blo
 def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
                     storage_options: Optional[Dict[str, Any]] = None,
                     dst_storage_options: Optional[Dict[str, Any]] = None,
-                    progress: Optional[ProgressFn] = None) -> CopyReport:
+                    progress: Optional[ProgressFn] = None, dst_root: Optional[Root] = None) -> CopyReport:
     """Write a self-contained copy of the checkpoint ``src`` at ``dst`` (see the module docstring).
 
     Args:
@@ -282,6 +282,10 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         storage_options: fsspec options for an object-storage ``src`` (and ``dst``).
         dst_storage_options: for ``dst`` when they differ (default: ``storage_options``).
         progress: ``progress(done_bytes, total_bytes)`` after each piece.
+        dst_root: the root ``dst`` is a checkpoint of (``<root>/step_<N>``), opened by the caller, instead of the
+            one ``dst``'s location opens (a directory alone, taken under its lock when it is a managed root's
+            checkpoint): the memory tier's persist, which holds the managed root's lock already, commits there
+            as a save of that root does (``nostall.memory.persist``).
 
     Raises :class:`~nostall.CheckpointCorruptError` naming the file when a
     byte read does not match its checksum or a referenced file is missing
@@ -303,7 +307,7 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
         tensor([2., 2., 2., 2.])
     """
     dso = dst_storage_options if dst_storage_options is not None else storage_options
-    src_path, dst, m, dest = _endpoints(src, dst, overwrite, storage_options, dso)
+    src_path, dst, m, dest = _endpoints(src, dst, overwrite, storage_options, dso, dst_root)
     plan = _plan(m)
     entries = _lay_out(m, plan)
     side = tuple((r.name, read_side_file(src_path, r, storage_options))
@@ -324,7 +328,8 @@ def copy_checkpoint(src: str, dst: str, *, overwrite: bool = False,
 
 
 def _endpoints(src: str, dst: str, overwrite: bool, so: Optional[Dict[str, Any]],
-               dso: Optional[Dict[str, Any]]) -> Tuple[str, str, Manifest, Destination]:
+               dso: Optional[Dict[str, Any]],
+               dst_root: Optional[Root] = None) -> Tuple[str, str, Manifest, Destination]:
     """The checkpoint to copy (its path and manifest), DST as the copy names it, and where the copy
     goes: every refusal of a DST (:func:`_check_apart`, :func:`_check_destination`) before anything
     is written. A new directory gets plain names (rank0.safetensors, config.json: as nostall.save
@@ -338,6 +343,10 @@ def _endpoints(src: str, dst: str, overwrite: bool, so: Optional[Dict[str, Any]]
     m = read_manifest(src_path, so)
     _check_apart(src_path, dst, m, so, dso)
     droot, dname = split_checkpoint(dst, dso)
+    if dst_root is not None:
+        if dst_root.path(dname) != dst:
+            raise CheckpointSaveError(f"copy: {dst} is not a checkpoint of the root {dst_root.url}")
+        droot = dst_root
     replacing = _check_destination(dst, droot, dname, overwrite, dso)
     return src_path, dst, m, solo_destination(droot, dname, m.step, tagged=replacing)
 

@@ -14,12 +14,21 @@ listens on the job's abstract socket, and serves the trainers' managers:
 - ``{"op": "release", "token": t}``: that manager closed cleanly (``close()``
   with no exception in flight): the job is done with the memory tier on this
   rank;
-- ``{"op": "status"}``: the holder's pid, attached ranks, root.
+- ``{"op": "status"}``: the holder's pid, attached ranks, root, and the outcome of a persist;
+- ``{"op": "wake", "signal": s, "rank": r, "token": t}``: this connection reports rank ``r``'s signals
+  from now on, one raw byte per signal (the trainer's wakeup fd); a byte ``s`` (its preemption signal)
+  starts the last save on preemption (:mod:`nostall.memory.persist`).
+
+Rank 0's ``attach`` also carries ``persist`` (the persistent root's URL, its
+``storage_options``, ``grace_s``) and, with ``"lock": true``, its descriptor of
+the persistent root's lock (``SCM_RIGHTS``), kept only while rank 0 is
+attached (the persist process gets its own copy).
 
 It deletes the memory root and its mark and exits when every attached
 manager released it and none is attached; when none was attached for
 ``idle_s`` (since a manager left without releasing it, a crash, or since its
-start); or on SIGTERM, SIGINT or SIGHUP. It never follows a symbolic link and
+start); or on SIGTERM, SIGINT or SIGHUP, after persisting the newest memory
+snapshot. A persist in progress delays the deletion until it ended. It never follows a symbolic link and
 deletes only the root its mark proves it (or a predecessor) made. The
 snapshots are tmpfs files: they outlive the trainers (and this process, if it
 is SIGKILLed, or fails of an internal error: the next holder adopts the root
@@ -51,8 +60,9 @@ import stat
 import struct
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
+from nostall.memory.persist import Persisting, Request, deadline_after
 from nostall.storage.root import lkind
 from nostall.memory.relay import Relay, holder_op
 from nostall.memory.rendezvous import (MAX_LINE, PROTOCOL, log_path, mark_path, nostall_version, read_mark, send,
@@ -86,6 +96,14 @@ class Holder:
         self.stop: Optional[str] = None  # why it stops (release, idle, a signal): then it deletes the root
         self.mark_fd: Optional[int] = None
         self.relay: Optional[Relay] = None  # a job on several hosts: replicas, records, outcomes (memory/relay.py)
+        self.signalled: Optional[str] = None  # a signal to the holder itself: persist, then stop
+        self.wakes: Dict[socket.socket, Any] = {}  # wake connections -> (rank, the signal they report)
+        self.fds: Dict[socket.socket, List[int]] = {}  # descriptors received, until an attach takes them
+        self.persist_to: Optional[Dict[str, Any]] = None  # rank 0's: root, storage_options, grace_s, trainer
+        self.lock: Optional[socket.socket] = None  # rank 0's connection while the holder keeps its lock fd
+        self.lock_fd = -1
+        self.persisting: Optional[Persisting] = None
+        self.persisted: Optional[Dict[str, Any]] = None  # the persist's outcome, once ended
 
     # ------------------------------------------------------------------ start
     def start(self) -> int:
@@ -146,13 +164,68 @@ class Holder:
 
     # ------------------------------------------------------------------ serve
     def serve(self) -> None:
-        while self.stop is None:
+        """Serve until a stop, and until a persist in progress ended."""
+        while self.stop is None or self.persisting is not None:
             for k, _ in self.sel.select(_TICK_S):
                 if k.fileobj is self.listener:
                     self._accept()
                 else:
                     self._read(k.fileobj)  # type: ignore[arg-type]
+            if self.signalled is not None and self.stop is None:
+                self.preempted(self.signalled)
+                self.stop = self.signalled
             self._check_idle()
+            self._check_persist()
+
+    # ------------------------------------------------------------------ preemption
+    def preempted(self, why: str) -> None:
+        """The job is preempted: start the last save on preemption, once (later triggers are ignored)."""
+        if self.persisting is not None or self.persisted is not None:
+            return
+        to = self.persist_to
+        if to is None:
+            self.persisted = {"ok": False, "step": None, "note": "rank 0 never attached: no persistent root known"}
+            log.warning("memory tier: %s: nothing to persist here (rank 0's manager did not attach to this holder: "
+                        "the holder of rank 0's host persists)", why)
+            return
+        req = Request(self.root, to["root"], to.get("storage_options"), deadline_after(float(to["grace_s"])),
+                      float(to["grace_s"]), self.lock_fd, int(to.get("trainer") or 0))
+        log.warning("memory tier: %s: persisting the newest memory snapshot into %s (within %.1fs)", why, to["root"],
+                    req.left_s)
+        try:
+            self.persisting = Persisting(req, sys.stderr)
+        except OSError as e:
+            self.persisted = {"ok": False, "step": None, "note": f"cannot start the persist process: {e}"}
+            log.error("memory tier: %s: cannot start the persist process: %s", why, e)
+
+    def _check_persist(self) -> None:
+        if self.persisting is None:
+            return
+        got = self.persisting.poll()
+        if got is None:
+            return
+        self.persisting, self.persisted = None, got
+        if got.get("ok") and got.get("step") is not None:
+            log.warning("memory tier: persisted step %s into %s in %.2fs (%d bytes); %s", got["step"],
+                        self.persist_to and self.persist_to["root"], got.get("seconds", 0.0), got.get("bytes", 0),
+                        got.get("note"))
+        elif got.get("ok"):
+            log.warning("memory tier: persist: %s", got.get("note"))
+        else:
+            log.error("memory tier: the newest memory snapshot was NOT persisted into %s: %s; the root's previous "
+                      "latest stays, and loads", self.persist_to and self.persist_to["root"], got.get("note"))
+
+    def _wake(self, conn: socket.socket, data: bytes) -> None:
+        """Bytes on a wake connection: one per signal the trainer received."""
+        rank, signum = self.wakes[conn]
+        if signum in data:
+            self.preempted(f"rank {rank} received {signal.Signals(signum).name}")  # (checked at "wake")
+
+    def _drop_lock(self) -> None:
+        """Rank 0 left: the holder keeps its lock descriptor no longer (a persist process has its own)."""
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)
+        self.lock_fd, self.lock = -1, None
 
     def _accept(self) -> None:
         assert self.listener is not None
@@ -182,25 +255,35 @@ class Holder:
 
     def _read(self, conn: socket.socket) -> None:
         try:
-            chunk = conn.recv(4096)
+            chunk, fds, _, _ = socket.recv_fds(conn, 4096, 1, socket.MSG_CMSG_CLOEXEC)
         except BlockingIOError:
             return
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        self.fds.setdefault(conn, []).extend(fds)
         if not chunk:
             self._drop(conn)
             return
+        if conn in self.wakes:
+            self._wake(conn, chunk)
+            return
         buf = self.bufs[conn]
         buf += chunk
-        while b"\n" in buf:
+        while b"\n" in buf and conn not in self.wakes:
             line, _, rest = bytes(buf).partition(b"\n")
             buf[:] = rest
             try:
                 msg = json.loads(line)
                 self._handle(conn, msg)
-            except (ValueError, TypeError, AttributeError, OSError):
+            except (ValueError, TypeError, AttributeError, KeyError, OSError):
                 self._drop(conn)
                 return
+        if conn in self.wakes and buf:
+            self._wake(conn, bytes(buf))
+            buf.clear()
+        if not buf:
+            for fd in self.fds.pop(conn, []):  # sent with no attach that takes it
+                os.close(fd)
         if len(buf) > MAX_LINE:
             self._drop(conn)
 
@@ -214,7 +297,7 @@ class Holder:
 
     def _handle(self, conn: socket.socket, msg: Dict[str, object]) -> None:
         op = msg.get("op")
-        if op in ("attach", "release", "listen", "peers") and msg.get("token") != self.token:
+        if op in ("attach", "release", "listen", "peers", "wake") and msg.get("token") != self.token:
             raise ValueError(f"{op} without the mark's token")  # the connection is dropped
         if op == "attach":
             rank = msg.get("rank")
@@ -222,9 +305,18 @@ class Holder:
                 raise ValueError("attach without a rank")
             self.attached[conn] = rank
             self.crashed = False
+            persist = msg.get("persist")
+            if rank == 0 and isinstance(persist, dict):
+                self.persist_to = {**persist, "trainer": msg.get("pid")}
+                self._drop_lock()
+                got = self.fds.get(conn) or []
+                if msg.get("lock") and got:
+                    self.lock_fd, self.lock = got.pop(0), conn
             self.idle_since = None
             self._reply(conn, {"ok": True, "root": self.root, "pid": os.getpid()})
         elif op == "release":
+            if conn is self.lock:
+                self._drop_lock()
             if conn in self.attached:
                 del self.attached[conn]
                 self.released += 1
@@ -236,7 +328,15 @@ class Holder:
         elif op == "status":
             ranks: List[int] = sorted(self.attached.values())
             self._reply(conn, {"ok": True, "pid": os.getpid(), "root": self.root, "attached": ranks,
-                               "released": self.released})
+                               "released": self.released, "persisting": self.persisting is not None,
+                               "persisted": self.persisted})
+        elif op == "wake":
+            signum = msg["signal"]
+            if not isinstance(signum, int) or not 0 < signum < 256:
+                raise ValueError("wake without a signal number")
+            signal.Signals(signum)  # ValueError (the connection dropped) for a number that is no signal
+            self.wakes[conn] = (msg.get("rank"), signum)
+            self._reply(conn, {"ok": True})
         else:
             raise ValueError(f"unknown op {op!r}")
 
@@ -246,6 +346,11 @@ class Holder:
         except (KeyError, ValueError):
             pass
         self.bufs.pop(conn, None)
+        self.wakes.pop(conn, None)
+        for fd in self.fds.pop(conn, []):
+            os.close(fd)
+        if conn is self.lock:
+            self._drop_lock()
         if conn in self.attached:  # a manager gone without releasing: its trainer died
             rank = self.attached.pop(conn)
             self.crashed = True
@@ -310,8 +415,12 @@ class Holder:
             self.listener = None
         for conn in list(self.bufs):
             conn.close()
+            for fd in self.fds.pop(conn, []):
+                os.close(fd)
         self.bufs.clear()
         self.attached.clear()
+        self.wakes.clear()
+        self._drop_lock()
 
 
 def main(argv: List[str]) -> int:
@@ -321,7 +430,7 @@ def main(argv: List[str]) -> int:
     holder = Holder(base, key, idle_s)
 
     def on_signal(signum: int, frame: object) -> None:
-        holder.stop = f"signal {signal.Signals(signum).name}"
+        holder.signalled = f"signal {signal.Signals(signum).name}"  # serve() persists, then stops
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
@@ -339,6 +448,8 @@ def run(holder: Holder) -> int:
     except Exception:
         log.exception("memory tier: internal error: %s and its mark are left for the next holder to adopt",
                       holder.root)
+        if holder.persisting is not None:
+            holder.persisting.kill()
         holder.close_connections()
         return EXIT_ERROR
     log.info("memory tier: %s: releasing %s", holder.stop, holder.root)

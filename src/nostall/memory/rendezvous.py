@@ -33,7 +33,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from nostall.errors import CheckpointError
 
@@ -121,8 +121,14 @@ def read_mark(base: str, key: str) -> Optional[Dict[str, Any]]:
     return mark
 
 
-def send(sock: socket.socket, msg: Dict[str, Any]) -> None:
-    sock.sendall(json.dumps(msg).encode() + b"\n")
+def send(sock: socket.socket, msg: Dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One message (a JSON line); ``fds``: descriptors passed with its first byte (``SCM_RIGHTS``)."""
+    data = json.dumps(msg).encode() + b"\n"
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
 
 
 def recv(sock: socket.socket, buf: bytearray, deadline: float) -> Optional[Dict[str, Any]]:
@@ -157,10 +163,11 @@ class HolderLink:
         self.key = key
         self._buf = bytearray()
 
-    def ask(self, msg: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-        """Send ``msg`` (with the mark's token) and wait (bounded) for the holder's answer."""
+    def ask(self, msg: Dict[str, Any], timeout: float, fds: Sequence[int] = ()) -> Dict[str, Any]:
+        """Send ``msg`` (with the mark's token, and ``fds``) and wait (bounded) for the holder's answer."""
         try:
-            send(self.sock, dict(msg, token=self.token))
+            self.sock.settimeout(timeout)
+            send(self.sock, dict(msg, token=self.token), fds)
             got = recv(self.sock, self._buf, time.monotonic() + timeout)
         except (OSError, ValueError) as e:
             raise MemoryTierError(f"the memory tier's holder (pid {self.pid}) did not answer {msg.get('op')!r}: "

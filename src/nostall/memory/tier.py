@@ -7,26 +7,32 @@ docs/protocol.md, "Memory tier". One :class:`Tiers` per manager with
 root on rank 0 (which removes what a crashed memory save left there),
 routes the saves that are not persistent to the memory root, and at restore
 picks the newest step complete in the memory tier (on every rank's host, or
-across hosts) when it is newer than the persistent root's latest. This
-module does not import torch.
+across hosts) when it is newer than the persistent root's latest. For the
+last save on preemption it tells the holder (rank 0) where the persistent
+root is, with its lock, and reports the preemption signal to the holder
+(:meth:`Tiers.watch`). This module does not import torch.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import socket
 import stat
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from nostall.core.jobs import Destination
 from nostall.errors import CheckpointLoadError
 from nostall.memory.hosts import join_hosts
 from nostall.memory.roots import MemoryRoot
-from nostall.memory.rendezvous import HolderLink, MemoryTierError, base_dir, ensure_holder, job_id, job_key
+from nostall.memory.rendezvous import (HolderLink, MemoryTierError, base_dir, connect, ensure_holder, job_id,
+                                       job_key)
 from nostall.options import Options
 from nostall.planning.comm import Comm
 from nostall.storage.posix import PosixRoot
@@ -100,14 +106,18 @@ def complete_step(every: Sequence[Tuple[Optional[int], Optional[Tuple[List[str],
 
 
 class Tiers:
-    """A manager's memory tier (collective to create: every rank of ``comm``)."""
+    """A manager's memory tier (collective to create: every rank of ``comm``).
 
-    def __init__(self, options: Options, root_url: str, comm: Comm) -> None:
+    ``lock_fd``: rank 0's descriptor of the persistent root's lock (POSIX; None: none), handed to the holder
+    for the last save on preemption."""
+
+    def __init__(self, options: Options, root_url: str, comm: Comm, lock_fd: Optional[int] = None) -> None:
         settings = options.memory_tier
         assert settings is not None
         self.settings = settings
         self.comm = comm
         self.persist_every = settings.persist_every
+        self._timeout = options.timeout
         self._claim: Optional[Claim] = None
         self._proc: Optional[subprocess.Popen] = None
         self._link: Optional[HolderLink] = None
@@ -115,13 +125,17 @@ class Tiers:
         self.multi = False  # ranks on several hosts (a MemoryRoot per host, replicas on peers)
         self.partial = False  # the last freshest(): some rank's host lacks files of the memory step
         self._complete_here = True  # ... and whether this rank's host holds every file of it
+        self._wake: Optional[socket.socket] = None  # the connection that reports the preemption signal
+        self._wakeup_fd = False  # it is this process's signal wakeup fd
+        self._handler: Any = None  # the manager's preemption handler, while it notifies the holder
         error: Optional[str] = None
         ident: Any = None
         try:
             base = base_dir(settings.memory_dir)
             key = job_key(root_url, job_id())
             self._link, self._proc = ensure_holder(base, key, settings.idle_s, options.timeout)
-            got = self._link.ask({"op": "attach", "rank": comm.rank}, options.timeout)
+            attach, fds = _attach(options, root_url, comm.rank, lock_fd)
+            got = self._link.ask(attach, options.timeout, fds)
             if got.get("root") != os.path.join(base, key):
                 raise MemoryTierError(f"the holder (pid {self._link.pid}) serves {got.get('root')!r}, not "
                                       f"{os.path.join(base, key)!r}")
@@ -155,6 +169,73 @@ class Tiers:
         except BaseException:
             self.close(release=False)  # a failed start keeps the snapshots it came to restore (idle bound)
             raise
+
+    # ------------------------------------------------------------------ preemption
+    def watch(self, handler: Any) -> None:
+        """Report the preemption signal to the holder (docs/protocol.md, "A last save on preemption"): a wake
+        connection whose descriptor is this process's signal wakeup fd (the byte is written by CPython's C-level
+        handler, even while the main thread is stuck in a C call) when none is set and this is the main thread;
+        else ``handler`` (the manager's :class:`~nostall.manager._Preemption`) writes it when Python runs it.
+        A holder that cannot be reached is logged; the tier works on without the last save."""
+        link = self._link
+        signum = handler.signum
+        if link is None:
+            return
+        try:
+            wake = connect(link.base, link.key, self._timeout)
+            if wake is None:
+                raise MemoryTierError("no holder listens")
+            wake.ask({"op": "wake", "rank": self.comm.rank, "signal": int(signum)}, 10.0)
+        except (MemoryTierError, OSError) as e:
+            log.warning("rank %d: the memory tier's holder will not learn of %s (%s): no last save on preemption",
+                        self.comm.rank, signal.Signals(signum).name, e)
+            return
+        sock = wake.sock
+        sock.setblocking(False)
+        self._wake = sock
+        if threading.current_thread() is threading.main_thread():
+            old = signal.set_wakeup_fd(sock.fileno(), warn_on_full_buffer=False)
+            if old == -1:
+                self._wakeup_fd = True
+                return
+            signal.set_wakeup_fd(old, warn_on_full_buffer=False)  # someone else's (an event loop's): left to it
+        log.debug("rank %d: the signal wakeup fd is taken (or this is not the main thread): the holder learns of %s "
+                  "when Python runs the manager's handler (late while the main thread is in a long C call)",
+                  self.comm.rank, signal.Signals(signum).name)
+        self._handler = handler
+        handler.notify = self._notify
+
+    def _notify(self, signum: int) -> None:
+        """From the manager's signal handler: one byte to the holder, never waiting, never raising."""
+        sock = self._wake
+        if sock is not None:
+            try:
+                sock.send(bytes([signum]))
+            except OSError:
+                pass
+
+    def _unwatch(self) -> None:
+        """close(): the wakeup fd put back (main thread), the handler's notification off, the connection closed.
+        Where the wakeup fd cannot be put back (another thread), the descriptor is left open (never closed under
+        CPython's handler, which would write into whatever reuses its number)."""
+        if self._handler is not None:
+            self._handler.notify = None
+            self._handler = None
+        sock, self._wake = self._wake, None
+        if sock is None:
+            return
+        if self._wakeup_fd:
+            self._wakeup_fd = False
+            try:
+                old = signal.set_wakeup_fd(-1)
+            except ValueError:  # not the main thread
+                log.debug("rank %d: the signal wakeup fd could not be put back here: its connection stays open",
+                          self.comm.rank)
+                sock.detach()
+                return
+            if old not in (-1, sock.fileno()):  # set by someone else after ours: theirs stays
+                signal.set_wakeup_fd(old, warn_on_full_buffer=False)
+        sock.close()
 
     # ------------------------------------------------------------------ saves
     def takes(self, step: Optional[int], path: Any) -> bool:
@@ -340,6 +421,7 @@ class Tiers:
     def close(self, release: bool = True, timeout: float = 10.0) -> None:
         """Release the root's claim and the holder (``release``: this rank's manager is done with the memory
         tier: the holder deletes it once every attached manager released it). Bounded; idempotent."""
+        self._unwatch()
         if self._claim is not None:
             self._claim.release()
             self._claim = None
@@ -358,3 +440,23 @@ class Tiers:
             except subprocess.TimeoutExpired:
                 pass
 
+
+
+def _attach(options: Options, root_url: str, rank: int, lock_fd: Optional[int]) -> Tuple[Dict[str, Any], List[int]]:
+    """The ``attach`` message of a rank, and the descriptors it carries: rank 0's tells the holder where to persist
+    on preemption (the persistent root, its ``storage_options``, ``grace_s``) and hands it the root's lock."""
+    msg: Dict[str, Any] = {"op": "attach", "rank": rank, "pid": os.getpid()}
+    if rank != 0 or options.preemption_signal is None:
+        return msg, []
+    so = options.storage_options
+    try:
+        json.dumps(so)
+    except (TypeError, ValueError):
+        log.warning("rank 0: the storage_options of %s are not JSON: the holder cannot write there, so there is no "
+                    "last save on preemption from the memory tier", root_url)
+        return msg, []
+    msg["persist"] = {"root": root_url, "storage_options": so, "grace_s": options.grace_s}
+    if lock_fd is None:
+        return msg, []
+    msg["lock"] = True
+    return msg, [lock_fd]

@@ -271,9 +271,10 @@ def lock_holder(raw: bytes) -> Tuple[str, Optional[float], float]:
         until = float(info["until"])
         life = min(float(info["life"]), ORPHAN_LIFE_MAX_S) + ORPHAN_WAIT_SLACK_S if "life" in info \
             else ORPHAN_WAIT_MAX_S
-        return (f"the background writer (pid {info['pid']} on host {info['host']}) of a trainer that died "
-                f"(pid {info['writer_of']}), finishing the save of step {info.get('step')} until "
-                f"{time.strftime('%H:%M:%S %Z', time.localtime(until))}", until, life)
+        what = info.get("what") or (f"the background writer (pid {info['pid']} on host {info['host']}) of a "
+                                    f"trainer that died (pid {info['writer_of']}), finishing the save of step "
+                                    f"{info.get('step')}")  # (what: another process that promises, e.g. a persist)
+        return f"{what} until {time.strftime('%H:%M:%S %Z', time.localtime(until))}", until, life
     except (ValueError, KeyError, TypeError, OverflowError):
         return "an unknown process", None, 0.0
 
