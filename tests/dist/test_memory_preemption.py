@@ -295,12 +295,20 @@ def _check(r: Dict[str, Any]) -> bool:
 
 def _trials(tmp_path, n: int, so=None, root_of=None) -> None:
     rng = random.Random(_SEED)
-    misses = []
+    misses, rows = [], []
+    t0 = time.monotonic()
     for i in range(n):
         r = _trial(tmp_path, i, rng, so, root_of(i) if root_of else None)
+        rows.append(r)
         if not _check(r):
             misses.append(r)
-    print(f"memory-tier preemption trials: {n}, misses: {len(misses)}")
+    # (the job writes only multiples of _PERSIST to the persistent root: any other latest is the holder's commit)
+    by_holder = sum(1 for r in rows if r["latest"] is not None and r["latest"] % _PERSIST)
+    newer = sum(1 for r in rows if r["before"] is not None and r["latest"] is not None and r["latest"] > r["before"])
+    print(f"memory-tier preemption trials ({'s3' if so else 'local'}): {n}, misses: {len(misses)}, latest committed "
+          f"by the holder: {by_holder}, latest newer than the newest step committed before the signal: {newer}, "
+          f"no step committed before the signal: {sum(1 for r in rows if r['before'] is None)}, "
+          f"{time.monotonic() - t0:.0f}s")
     assert not misses, misses
 
 
