@@ -11,7 +11,7 @@ snapshot into the persistent root, without the training loop:
   while the trainers are still stuck, and a restart loads it bit for bit;
 - SIGTERM to the holder alone: the same, then the memory root is gone and the
   holder exited;
-- SIGTERM at uniformly random times over a loop: the persistent latest after
+- SIGTERM at a uniformly random time within 3 s of the loop's first commit: the persistent latest after
   the job is gone is the newest memory step committed before the signal, or
   newer, and loads bit for bit; the holder never outlives the job. A few
   trials by default; ``NOSTALL_SOAK_PREEMPT_MEMORY=N`` runs N (local) and the
@@ -268,6 +268,7 @@ def _trial(tmp_path, i: int, rng: random.Random, so: Optional[Dict[str, Any]] = 
     try:
         assert _wait(lambda: all(_ranks_file(out, r) for r in range(2)), 180), job.error
         ranks = [_ranks_file(out, r) for r in range(2)]  # type: ignore[misc]
+        assert _wait(lambda: _newest(out) is not None, 120), job.error  # the loop runs: step 1 is committed
         time.sleep(rng.uniform(0.0, 3.0))
         before = _newest(out)  # committed to memory (or the root) before the signal
         for r in ranks:
@@ -319,3 +320,54 @@ def test_sigterm_at_random_times_persists_the_newest_committed_memory_step(tmp_p
 def test_sigterm_at_random_times_persists_into_object_storage(tmp_path, s3):
     bucket = s3.make_bucket(f"preempt-{os.getpid()}-{random.randrange(1 << 30)}")
     _trials(tmp_path, _SOAK or 1, s3.storage_options, lambda i: f"s3://{bucket}/run{i}")
+
+
+# --------------------------------------------------------------------------- the persist's rules, in one process
+
+
+def _plain(step: int) -> Dict[str, Any]:
+    return {"w": torch.arange(1000, dtype=torch.float32) * step, "step": step}
+
+
+def _roots(tmp_path, memory_steps, persistent_steps):
+    memory, root = str(tmp_path / "memory"), str(tmp_path / "run")
+    for where, steps in ((memory, memory_steps), (root, persistent_steps)):
+        with nostall.CheckpointManager(where, keep_last=None) as mgr:
+            for s in steps:
+                mgr.save(s, _plain(s))
+    return memory, root
+
+
+def _persist(memory: str, root: str, left_s: float = 20.0) -> Dict[str, Any]:
+    from nostall.interop.persist import persist
+    from nostall.memory.persist import Request
+
+    return persist(Request(memory, root, None, left_s, left_s))
+
+
+def test_the_persist_commits_a_newer_memory_step_and_makes_it_latest(tmp_path):
+    memory, root = _roots(tmp_path, [6, 7, 8], [5])
+    got = _persist(memory, root)
+    assert (got["ok"], got["step"]) == (True, 8) and got["bytes"] >= 4000, got
+    with nostall.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == [5, 8] and mgr.latest_step() == 8
+        t = {"w": torch.zeros(1000), "step": -1}
+        assert mgr.load(t)["step"] == 8 and torch.equal(t["w"], _plain(8)["w"])
+    assert not [n for n in os.listdir(os.path.join(root, ".tmp")) if n.startswith("save-")]
+
+
+def test_the_persist_leaves_a_newer_persistent_latest_alone(tmp_path):
+    memory, root = _roots(tmp_path, [8], [5, 10])
+    got = _persist(memory, root)
+    assert (got["ok"], got["step"]) == (True, None) and "nothing to do" in got["note"], got
+    with nostall.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == [5, 10] and mgr.latest_step() == 10
+
+
+def test_the_persist_never_writes_into_a_root_another_process_holds(tmp_path):
+    memory, root = _roots(tmp_path, [8], [5])
+    with nostall.CheckpointManager(root):  # another job's manager holds the root's lock (no descriptor handed over)
+        got = _persist(memory, root, left_s=1.0)
+    assert not got["ok"] and "held by" in got["note"], got
+    with nostall.CheckpointManager(root, read_only=True) as mgr:
+        assert mgr.steps() == [5] and mgr.latest_step() == 5

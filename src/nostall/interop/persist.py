@@ -31,7 +31,7 @@ from nostall.interop.copy import copy_checkpoint
 from nostall.memory.persist import Request
 from nostall.storage.locate import open_root
 from nostall.storage.posix import PosixRoot
-from nostall.storage.root import OURS_RE, TMP_DIR, Root, lock_record, step_name
+from nostall.storage.root import OURS_RE, TMP_DIR, Claim, Root, lock_record, step_name
 
 log = logging.getLogger("nostall")
 
@@ -82,19 +82,14 @@ def _put_back(fd: int, records: Tuple[bytes, bytes]) -> None:
         pass
 
 
-def _hold(root: Root, req: Request, deadline: float) -> Optional[int]:
-    """The root's lock for the persist: rank 0's descriptor, or the lock taken by a claim (polled until
-    ``deadline``); None where the root has no lock (object storage, a filesystem without flock). Raises
-    :class:`~nostall.CheckpointError` when another process holds it past the deadline."""
-    until = time.time() + max(0.0, deadline - time.monotonic())
-    if req.lock_fd >= 0:
-        return req.lock_fd
+def _claim(root: Root, deadline: float) -> Claim:
+    """The root taken as a manager takes it (rank 0 left before the signal, so no descriptor was handed over),
+    polled until ``deadline``. Raises :class:`~nostall.CheckpointError` naming the holder when another process
+    holds it then."""
     while True:
         claim = root.claim()
         if claim.held:
-            if claim.fd is not None:
-                _note_lock(claim.fd, req, until)
-            return claim.fd
+            return claim
         if time.monotonic() > deadline:
             raise CheckpointError(f"the persistent root {root.url} is held by {claim.owner}: the newest memory "
                                   "snapshot is not written into a root another process holds")
@@ -130,11 +125,15 @@ def persist(req: Request) -> Dict[str, Any]:
     out: Dict[str, Any] = {"ok": False, "step": None, "bytes": 0, "seconds": 0.0, "note": ""}
     memory = PosixRoot(req.memory)
     records: Optional[Tuple[bytes, bytes]] = None
+    claim: Optional[Claim] = None
     try:
         root = open_root(req.root, storage_options=req.storage_options)
-        _hold(root, req, deadline)
-        if req.lock_fd >= 0:
-            records = _note_lock(req.lock_fd, req, time.time() + max(0.0, deadline - time.monotonic()))
+        fd = req.lock_fd if req.lock_fd >= 0 else None
+        if fd is None:
+            claim = _claim(root, deadline)
+            fd = claim.fd
+        if fd is not None:  # (None: object storage, or a filesystem without flock)
+            records = _note_lock(fd, req, time.time() + max(0.0, deadline - time.monotonic()))
         wait_until = t0 + req.left_s * _INFLIGHT_SHARE
         while _in_flight(req.memory) and time.monotonic() < wait_until:
             time.sleep(_POLL_S)
@@ -159,7 +158,9 @@ def persist(req: Request) -> Dict[str, Any]:
             break
     except Exception as e:  # any failure: logged by the holder; the run_job abort left nothing committed
         out["note"] = f"{type(e).__name__}: {e}"
-    if records is not None:
+    if claim is not None:
+        claim.release()
+    elif records is not None:
         _put_back(req.lock_fd, records)
     out["seconds"] = round(time.monotonic() - t0, 3)
     return out
