@@ -28,6 +28,7 @@ import json
 import os
 import random
 import signal
+import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -137,11 +138,11 @@ def _latest(root: str, so: Optional[Dict[str, Any]] = None) -> Optional[int]:
     return open_root(root, storage_options=so).latest_step()
 
 
-def _stuck_job(tmp_path, last: int = 8):
+def _stuck_job(tmp_path, last: int = 8, fn=_save_then_stick):
     root, shm, out = str(tmp_path / "run"), str(tmp_path / "shm"), str(tmp_path / "out")
     os.makedirs(shm)
     os.makedirs(out)
-    job = _Job(_save_then_stick, root, shm, out, last)
+    job = _Job(fn, root, shm, out, last)
     assert _wait(lambda: all(_ranks_file(out, r) for r in range(2)), 180), job.error
     ranks = [_ranks_file(out, r) for r in range(2)]
     assert ranks[0]["memory"] == [last] and ranks[0]["persistent"] == [_PERSIST]
@@ -187,6 +188,50 @@ def test_sigterm_to_trainers_stuck_in_c_persists_the_newest_memory_step_within_g
         assert (g["step"], g["tier"], g["exact"]) == (8, "persistent", True), g
     assert _wait(lambda: not process_alive(holder), 30)  # the restarted job closed cleanly: released
     assert not os.path.exists(ranks[0]["memory_root"])
+
+
+def _save_then_wait_with_a_wakeup_fd_of_its_own(rank, world, root, shm, out, last):
+    """As an event loop would: a wakeup fd is set before the manager, so the manager's handler tells the holder."""
+    mine, peer = socket.socketpair()
+    mine.setblocking(False)
+    signal.set_wakeup_fd(mine.fileno(), warn_on_full_buffer=False)
+    try:
+        with _manager(root, shm) as mgr:
+            for step in range(1, last + 1):
+                mgr.save(step, _state(step, rank))
+                mgr.finalize_pending_saves()
+            _write(out, rank, {"pid": os.getpid(), "holder": mgr._tiers._link.pid,
+                               "memory_root": mgr._tiers.root.url, "memory": mgr._tiers.root.steps(),
+                               "persistent": mgr.steps()})
+            while True:
+                time.sleep(0.05)  # Python runs the handler here: the preemption exits the loop
+    finally:
+        peer.setblocking(False)
+        try:
+            got = list(peer.recv(16))
+        except BlockingIOError:
+            got = []
+        with open(os.path.join(out, f"wakeup{rank}.json"), "w") as f:
+            json.dump({"bytes": got, "still_mine": signal.set_wakeup_fd(-1) == mine.fileno()}, f)
+
+
+def test_with_a_wakeup_fd_taken_the_managers_handler_tells_the_holder(tmp_path):
+    root, shm, job, ranks = _stuck_job(tmp_path, fn=_save_then_wait_with_a_wakeup_fd_of_its_own)
+    pids = [r["pid"] for r in ranks]
+    holder = ranks[0]["holder"]
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        job.join(_GRACE + 60)
+    finally:
+        _kill(pids)
+    assert _wait(lambda: not process_alive(holder), 60)  # persisted, then every rank released it
+    assert _latest(root) == 8
+    assert not os.path.exists(ranks[0]["memory_root"])
+    out = str(tmp_path / "out")
+    for r in range(2):
+        with open(os.path.join(out, f"wakeup{r}.json")) as f:
+            assert json.load(f) == {"bytes": [signal.SIGTERM], "still_mine": True}
 
 
 def test_sigterm_to_the_holder_alone_persists_then_deletes_the_memory_root_and_exits(tmp_path):
@@ -303,6 +348,8 @@ def _trials(tmp_path, n: int, so=None, root_of=None) -> None:
         rows.append(r)
         if not _check(r):
             misses.append(r)
+        print(f"trial {i}: committed before the signal {r['before']}, persistent latest {r['latest']}, exact "
+              f"{r['exact']}, holder gone {r['holder_gone']}, memory root gone {r['memory_root_gone']}", flush=True)
     # (the job writes only multiples of _PERSIST to the persistent root: any other latest is the holder's commit)
     by_holder = sum(1 for r in rows if r["latest"] is not None and r["latest"] % _PERSIST)
     newer = sum(1 for r in rows if r["before"] is not None and r["latest"] is not None and r["latest"] > r["before"])
