@@ -79,6 +79,8 @@ def trainer(args: Dict[str, Any]) -> None:
                 open(os.path.join(args["out"], f"rank{rank}.paused"), "w").close()
                 while not os.path.exists(os.path.join(args["out"], "go")):
                     time.sleep(0.05)
+            if step in args.get("pause_after_save", []) and rank == world - 1:
+                mgr._faults.writer_delay_s = 5.0  # the last host's part is still being written when it is killed
             try:
                 mgr.save(step, _state(step, rank, world))
                 if step in args.get("pause_after_save", []):  # staged on every rank; the test kills a host now
@@ -98,6 +100,10 @@ def trainer(args: Dict[str, Any]) -> None:
         r = mgr.last_restore
         out.update(step=step, exact=torch.equal(t["w"].data, want["w"].data) and torch.equal(t["b"], want["b"]),
                    tier=r.tier, persistent_bytes_read=r.persistent_bytes_read, fell_back=r.fell_back)
+        for later in args.get("then_save", []):  # training goes on after the restore: memory saves again
+            mgr.save(later, _state(later, rank, world))
+            mgr.finalize_pending_saves()
+        out.update(memory_latest=tiers.root.latest_step())
     if args.get("die"):
         with open(os.path.join(args["out"], f"rank{rank}.json"), "w") as f:
             json.dump(out, f)
@@ -298,11 +304,13 @@ def test_a_lost_host_is_restored_from_its_peer_with_nothing_from_the_persistent_
         assert not b.pids() and a.pids()  # host a's holder lives on
         assert _zero_fill_persistent(str(tmp_path / "run")) == 2  # step 2's files: never read below
         out2 = str(tmp_path / "out2")
-        job = Job([a, b], 1, {**common, "mode": "restore", "out": out2}, logs, "restore")
+        job = Job([a, b], 1, {**common, "mode": "restore", "then_save": [5], "out": out2}, logs, "restore")
         assert job.wait() == [0, 0], job.tails()
         got = _results(out2, 2)
         assert [(g["step"], g["exact"], g["persistent_bytes_read"]) for g in got] == [(3, True, 0)] * 2, got
         assert [g["tier"] for g in got] == ["memory", "peer"], got
+        # the replacement host takes part in the next memory save (replica and all): step 5 on both hosts
+        assert [g["memory_latest"] for g in got] == [5, 5], got
         assert _wait_no_pids(net) == {}
 
 
@@ -355,7 +363,7 @@ def test_a_peer_host_killed_mid_save_leaves_the_previous_step_latest(tmp_path):
         while not all(os.path.exists(os.path.join(out, f"rank{r}.saved")) for r in range(2)):
             assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs), job.tails()
             time.sleep(0.05)
-        b.kill_all()  # step 3 is staged on both ranks, its save in flight: host b goes, holder and all
+        b.kill_all()  # step 3 is staged on both ranks, host b's part still being written: host b goes, holder and all
         open(os.path.join(out, "go"), "w").close()
         codes = job.wait()
         assert codes[0] == 0, job.tails()

@@ -375,6 +375,8 @@ class Holder:
     # ------------------------------------------------------------------ end
     def cleanup(self) -> None:
         """Stop listening, delete the memory root, then the mark (ours: we wrote it) once the root is gone."""
+        if self.relay is not None:
+            self.relay.drain()  # (several hosts) what the trainers finished is relayed before the root goes
         self.close_connections()
         deadline = time.monotonic() + _DELETE_TRIES_S
         while True:

@@ -97,6 +97,19 @@ class Relay:
             self._watcher = threading.Thread(target=self._watch, name="nostall-relay", daemon=True)
             self._watcher.start()
 
+    def drain(self, timeout: float = 2.0) -> None:
+        """The holder is stopping: stop the watcher, then look once more, so that what its trainers finished
+        before releasing it is relayed (on host 0: the outcome of the last save, which the other hosts' writers
+        wait for; rank 0's trainer releases the holder right after its writer announced it). Bounded by the
+        relay's timeout per request; never raises."""
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout)
+        try:
+            self._look()
+        except Exception:
+            log.exception("memory tier: the relay's last look at %s failed", self.root_path)
+
     def close(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self.server.close(timeout)
