@@ -91,23 +91,9 @@ class MemoryRoot(PosixRoot):
         return super().open_staging(dest, rank)
 
     # ------------------------------------------------------------------ records wait for the replica
-    def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
+    def _done_file(self, dest: Destination, rank: int, done: Done) -> Tuple[str, bytes]:
         """This rank's record, held on its host until the host's replica is acknowledged (``rank<R>.held``)."""
-        d = self._records(dest.save_id)
-        try:
-            self._write_record(os.path.join(d, f"rank{rank}{HELD}"),
-                               json.dumps({"step": dest.step, "record": done.to_doc()}, sort_keys=True).encode(),
-                               "record")
-        except OSError:
-            try:  # no space for the record: a failure is still recorded, by a rename (the holder forwards it)
-                os.rename(os.path.join(d, f"rank{rank}.pending"), os.path.join(d, f"rank{rank}.failed"))
-            except FileNotFoundError:
-                pass
-            raise
-        try:
-            os.unlink(os.path.join(d, f"rank{rank}.pending"))
-        except FileNotFoundError:
-            pass
+        return f"rank{rank}{HELD}", json.dumps({"step": dest.step, "record": done.to_doc()}, sort_keys=True).encode()
 
     def check_files(self, dest: Destination, files: Mapping[str, int],
                     references: Mapping[str, int] = NONE) -> None:

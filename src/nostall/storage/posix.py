@@ -861,11 +861,15 @@ class PosixRoot(Root):
     def reserve_done(self, dest: Destination, rank: int) -> None:
         _create(os.path.join(self._records(dest.save_id), f"rank{rank}.pending"))
 
+    def _done_file(self, dest: Destination, rank: int, done: Done) -> Tuple[str, bytes]:
+        """The name and bytes of rank ``rank``'s done record (a subclass may hold it elsewhere first)."""
+        return done_name(rank), json.dumps(done.to_doc(), sort_keys=True).encode()
+
     def write_done(self, dest: Destination, rank: int, done: Done, deadline: float) -> None:
         d = self._records(dest.save_id)
+        name, data = self._done_file(dest, rank, done)
         try:
-            self._write_record(os.path.join(d, done_name(rank)), json.dumps(done.to_doc(), sort_keys=True).encode(),
-                               "record")
+            self._write_record(os.path.join(d, name), data, "record")
         except OSError:
             # no space for the record (a full disk): a failure is still recorded, by a rename
             try:
