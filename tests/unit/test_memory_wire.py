@@ -458,3 +458,149 @@ def test_a_holder_takes_the_host_table_of_a_large_job(tmp_path):
         serving.join(5)
         holder.cleanup()
     assert not os.path.exists(os.path.join(base, key)) and holder.relay is None
+
+
+# ---------------------------------------------------------------------- review fixes: pre-auth bounds, odd names
+def test_a_hello_announcing_any_payload_is_refused_before_authentication():
+    """Handshake frames carry no payload: one announcing even a byte is refused from its prefix alone."""
+    a, b = socket.socketpair()
+    head = json.dumps({"op": "hello", "nonce": "0" * 32}).encode()
+    a.sendall(PREFIX.pack(MAGIC, len(head), 64 << 20, crc(head), 0) + head)  # the payload is never sent
+    with pytest.raises(WireError, match=r"announced a frame too large \(header \d+, payload 67108864 bytes; at "
+                                        r"most 65536, 0\)"):
+        accept_peer(b, "the client", SECRET, _soon())
+    a.close()
+    b.close()
+
+
+def test_a_payload_announced_but_not_sent_takes_only_what_arrived():
+    """The receiver's buffer grows with the bytes that arrive, not with the length a frame announces."""
+    import tracemalloc
+    tx, rx = _pair()
+    head = b'{"op": "data"}'
+    tx.sock.sendall(PREFIX.pack(MAGIC, len(head), 64 << 20, crc(head), 0) + head + b"x" * 1000)
+    tx.close()
+    tracemalloc.start()
+    try:
+        with pytest.raises(WireError, match=r"closed the connection in the middle of the frame's payload \(1000 of"):
+            rx.recv(_soon())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    rx.close()
+    assert peak < 4 << 20  # the 64 MiB announced were never allocated
+
+
+def test_after_welcome_both_ends_take_full_frames():
+    box: List[Wire] = []
+    ls, t, _ = _server(SECRET, lambda w: box.append(w) or w.send({"op": "big"}, b"y" * (5 << 20),
+                                                                 deadline=_soon()))
+    wire = connect_peer("127.0.0.1", ls.getsockname()[1], SECRET, _soon())
+    assert wire.recv(_soon()) == ({"op": "big"}, b"y" * (5 << 20))
+    wire.close()
+    t.join(5)
+    ls.close()
+
+
+@pytest.mark.parametrize("bad", ["\u00e9" * 64, 7, None])
+def test_a_malformed_mac_is_a_wire_error_on_both_ends(bad):
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        srv = Wire(conn, "server")
+        srv.recv(_soon())
+        srv.send({"op": "challenge", "nonce": "0" * 32, "mac": bad}, deadline=_soon())
+        time.sleep(0.2)
+        srv.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    with pytest.raises(WireError, match="does not hold this job's secret"):
+        connect_peer("127.0.0.1", lst.getsockname()[1], SECRET, _soon())
+    t.join(5)
+    lst.close()
+
+    a, b = socket.socketpair()
+    cli = Wire(a, "client")
+
+    def client() -> None:
+        cli.send({"op": "hello", "nonce": "1" * 32}, deadline=_soon())
+        cli.recv(_soon())
+        cli.send({"op": "auth", "mac": bad}, deadline=_soon())
+
+    t = threading.Thread(target=client)
+    t.start()
+    with pytest.raises(WireError, match="failed authentication"):
+        accept_peer(b, "the client", SECRET, _soon())
+    t.join(5)
+    cli.close()
+    b.close()
+
+
+@pytest.mark.parametrize("name", ["b\x00", "sub/b\x00"])
+def test_a_replica_naming_a_file_with_a_nul_byte_is_refused_and_nothing_is_left(tmp_path, name):
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        wire.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0, "files": [["a", 3], [name, 1]]},
+                  deadline=_soon())
+        with pytest.raises(WireError, match="not plain and relative"):
+            wire.expect("ack", _soon())
+        wire.close()
+        assert not got and os.listdir(into) == []
+    finally:
+        server.close()
+
+
+def test_a_replica_whose_file_cannot_be_made_leaves_no_folder_it_made(tmp_path):
+    """The folders made for a file whose own create fails (its name too long) go with it."""
+    server, into, got, errors = _peer(tmp_path)
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        wire.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0,
+                   "files": [["d/a", 3], ["d/e/f/" + "x" * 300, 2]]}, deadline=_soon())
+        wire.send({"op": "data", "name": "d/a", "offset": 0}, b"xyz", deadline=_soon())
+        with pytest.raises(WireError, match="File name too long"):
+            wire.expect("ack", _soon())
+        wire.close()
+        _until(lambda: errors)
+        assert not got and os.listdir(into / SAVE) == []
+    finally:
+        server.close()
+
+
+def test_a_replica_leaves_alone_folders_it_did_not_make(tmp_path):
+    server, into, got, errors = _peer(tmp_path)
+    (into / SAVE / "d").mkdir(parents=True)
+    (into / SAVE / "d" / "theirs").write_bytes(b"t")
+    try:
+        wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+        wire.send({"op": "replica", "save_id": SAVE, "step": 3, "host": 0, "files": [["d/a", 3]]}, deadline=_soon())
+        wire.send({"op": "data", "name": "d/a", "offset": 1}, b"z", deadline=_soon())
+        with pytest.raises(WireError, match="was expected"):
+            wire.expect("ack", _soon())
+        wire.close()
+        _until(lambda: errors)
+        assert os.listdir(into / SAVE / "d") == ["theirs"]
+    finally:
+        server.close()
+
+
+def test_peer_server_close_waits_for_a_handler_that_is_writing(tmp_path):
+    """close() returns only once the connection threads ended (bounded): no handler writes after it."""
+    entered = threading.Event()
+    finished: List[bool] = []
+
+    def slow(wire: Wire, header: Dict[str, object], payload: bytes) -> None:
+        entered.set()
+        time.sleep(0.5)
+        finished.append(True)
+
+    server = PeerServer("127.0.0.1", SECRET, {"slow": slow}, timeout=5.0)
+    wire = connect_peer("127.0.0.1", server.port, SECRET, _soon())
+    wire.send({"op": "slow"}, deadline=_soon())
+    assert entered.wait(5)
+    server.close(timeout=5.0)
+    assert finished == [True] and not server._threads
+    wire.close()

@@ -142,14 +142,16 @@ class Replica:
     files: Dict[str, int]
 
 
-def _open_new(top: str, rel: str) -> int:
-    """Create the regular file ``top/rel`` (folders made as needed), nothing followed, refusing one that exists."""
+def _open_new(top: str, rel: str, made: List[str]) -> int:
+    """Create the regular file ``top/rel`` (folders made as needed, each one made appended to ``made`` as its
+    path under ``top``), nothing followed, refusing one that exists."""
     parts = plain_parts(rel)
     fd = open_dir_beneath(top)
     try:
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             try:
                 os.mkdir(part, 0o700, dir_fd=fd)
+                made.append("/".join(parts[:i + 1]))
             except FileExistsError:
                 pass
             nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
@@ -159,6 +161,23 @@ def _open_new(top: str, rel: str) -> int:
                        dir_fd=fd)
     finally:
         os.close(fd)
+
+
+def _remove_made(top: str, made: List[str]) -> None:
+    """Remove the folders ``made`` under ``top`` (paths as :func:`_open_new` records them), innermost first, each
+    only if empty and reached without following a link: what someone else put in one stays."""
+    for rel in reversed(made):
+        parts = plain_parts(rel)
+        try:
+            fd = open_dir_beneath(top, parts[:-1])
+        except OSError:
+            continue
+        try:
+            os.rmdir(parts[-1], dir_fd=fd)
+        except OSError:
+            pass  # not empty, or already gone with a file's emptied folders
+        finally:
+            os.close(fd)
 
 
 def send_replica(wire: Wire, *, save_id: str, step: int, host: int, top: str, names: Sequence[str],
@@ -207,8 +226,10 @@ def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[
     step)`` (made by the caller, marked as nostall's); acknowledge it once every byte is written (and
     ``before_ack`` returned: the caller moves the files where they belong). Anything
     wrong (a name that leaves the directory, a file that exists, a frame out of order, a short file) is sent
-    back as an error, the files written so far are removed, and :class:`WireError` raised."""
+    back as an error, the files written so far and the folders made for them are removed, and
+    :class:`WireError` raised."""
     written: List[str] = []
+    made: List[str] = []
     top = ""
     try:
         save_id, step, host, listing = header.get("save_id"), header.get("step"), header.get("host"), header.get(
@@ -229,7 +250,7 @@ def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[
             files[item[0]] = item[1]
         top = directory(save_id, step)
         for n, size in files.items():
-            fd = _open_new(top, n)
+            fd = _open_new(top, n, made)
             written.append(n)
             try:
                 offset = 0
@@ -248,9 +269,10 @@ def receive_replica(wire: Wire, header: Dict[str, object], directory: Callable[[
             before_ack(replica)
         wire.send({"op": "ack", "save_id": save_id, "files": [[n, z] for n, z in files.items()]}, deadline=deadline)
         return replica
-    except (WireError, OSError, MemoryTierError) as e:
+    except (WireError, OSError, ValueError, MemoryTierError) as e:  # ValueError: what the OS refuses to name
         for n in written:
             unlink_beneath(top, n)
+        _remove_made(top, made)
         try:
             wire.send({"op": "error", "error": f"{type(e).__name__}: {e}"}, deadline=min(deadline,
                                                                                         time.monotonic() + 1.0))
@@ -283,6 +305,7 @@ class PeerServer:
         self.port: int = self.sock.getsockname()[1]
         self._stop = threading.Event()
         self._conns: Dict[int, socket.socket] = {}
+        self._threads: Dict[int, threading.Thread] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="nostall-peers", daemon=True)
         self._thread.start()
@@ -296,12 +319,14 @@ class PeerServer:
             except OSError:
                 return
             with self._lock:
-                if len(self._conns) >= _MAX_CONNECTIONS:
+                if len(self._conns) >= _MAX_CONNECTIONS or self._stop.is_set():
                     conn.close()
                     continue
                 self._conns[id(conn)] = conn
-            threading.Thread(target=self._serve, args=(conn, f"the peer at {peer[0]}:{peer[1]}"),
-                             name="nostall-peer", daemon=True).start()
+                t = threading.Thread(target=self._serve, args=(conn, f"the peer at {peer[0]}:{peer[1]}"),
+                                     name="nostall-peer", daemon=True)
+                self._threads[id(conn)] = t
+            t.start()
 
     def _serve(self, conn: socket.socket, where: str) -> None:
         try:
@@ -324,19 +349,31 @@ class PeerServer:
         finally:
             with self._lock:
                 self._conns.pop(id(conn), None)
+                self._threads.pop(id(conn), None)
             conn.close()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Stop accepting, close every connection, wait (bounded) for the listener thread. Idempotent."""
+        """Stop accepting, shut every connection down, wait for the listener thread and then every connection's
+        thread (a handler may be writing into the memory root: the caller removes it only after), all within
+        ``timeout`` together; a thread still running then is named in a warning. Idempotent."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         try:
             self.sock.close()
         except OSError:
             pass
+        self._thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
             for c in self._conns.values():
                 try:
                     c.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        self._thread.join(timeout)
+            threads = list(self._threads.values())
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        left = [t for t in threads if t.is_alive()]
+        if left:
+            log.warning("memory tier: %d peer connection(s) of the holder's listener on %s:%d still ran %.1f s "
+                        "after close (a handler past its bound); they end at their own deadline", len(left),
+                        self.addr, self.port, timeout)

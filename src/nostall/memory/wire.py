@@ -24,10 +24,16 @@ holder's private unix socket). The client opens with ``{"op": "hello",
 HMAC(secret, "server" | c | s)}``; the client checks that mac and answers
 ``{"op": "auth", "mac": HMAC(secret, "client" | s | c)}``; the server checks it
 and answers ``{"op": "welcome"}``. Nonces are 16 random bytes each (hex);
-HMAC-SHA256, compared in constant time. Nothing but these frames is read
-before the exchange completes, so a process that does not hold the secret
-can neither write into a memory root nor pose as a peer that acknowledges a
-replica.
+HMAC-SHA256, compared in constant time (a mac that is not an ASCII string is
+a wrong mac: :class:`WireError`). Nothing but these frames is read before the
+exchange completes, so a process that does not hold the secret can neither
+write into a memory root nor pose as a peer that acknowledges a replica.
+These frames carry no payload: until the exchange completes both ends take
+frames of payload length 0 only (``HANDSHAKE_PAYLOAD``), so a connection that
+has not authenticated costs at most one header (64 KiB); the full
+``max_payload`` applies from ``welcome`` on. A payload is read into a buffer
+that grows with the bytes that arrive (1 MiB at a time), never allocated at
+the length a frame announces.
 
 **Bounds.** Every read and write has a deadline (:class:`Wire` methods take
 one); a :class:`Throttle` paces the payload bytes a sender puts on the link
@@ -39,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import socket
 import struct
@@ -48,14 +55,17 @@ from typing import Any, Dict, Optional, Tuple, Union
 from nostall.core.format import crc
 from nostall.memory.rendezvous import MemoryTierError
 
-__all__ = ["WireError", "Wire", "Throttle", "MAGIC", "PREFIX", "MAX_HEADER", "new_secret", "mac",
-           "connect_peer", "accept_peer"]
+__all__ = ["WireError", "Wire", "Throttle", "MAGIC", "PREFIX", "MAX_HEADER", "MAX_PAYLOAD", "HANDSHAKE_PAYLOAD",
+           "new_secret", "mac", "connect_peer", "accept_peer"]
 
 MAGIC = b"NSPW"
 PREFIX = struct.Struct(">4sIQII")  # magic, header length, payload length, crc32c(header), crc32c(payload)
 MAX_HEADER = 1 << 16
 MAX_PAYLOAD = 64 << 20  # a file travels in frames of at most this many bytes
+HANDSHAKE_PAYLOAD = 0  # hello, challenge, auth, welcome carry no payload: nothing larger is taken before welcome
 _NONCE = 16
+_NONCE_HEX = re.compile(r"^[0-9a-f]{%d}$" % (2 * _NONCE))
+_READ_STEP = 1 << 20  # a payload's buffer grows by at most this much per read: by what arrived, not what was announced
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -73,6 +83,24 @@ def mac(secret: str, role: str, first: str, second: str) -> str:
     """HMAC-SHA256 of ``role | first | second`` (the nonces, hex) under the job's secret, hex."""
     msg = b"nostall-peer\0" + role.encode() + b"\0" + first.encode() + b"\0" + second.encode()
     return hmac.new(bytes.fromhex(secret), msg, hashlib.sha256).hexdigest()
+
+
+def _mac_ok(got: object, want: str) -> bool:
+    """Whether ``got`` (a frame's ``mac``, any JSON value) is the mac ``want``, compared in constant time as
+    bytes; anything but an ASCII string is a wrong mac (``hmac.compare_digest`` would raise on it)."""
+    if not isinstance(got, str):
+        return False
+    try:
+        raw = got.encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return hmac.compare_digest(raw, want.encode("ascii"))
+
+
+def _nonce(header: Dict[str, Any]) -> str:
+    """The frame's nonce if it is 16 bytes in lower-case hex, else ``""``."""
+    n = header.get("nonce")
+    return n if isinstance(n, str) and _NONCE_HEX.match(n) else ""
 
 
 class Throttle:
@@ -180,24 +208,33 @@ class Wire:
             view = view[n:]
 
     def _recv_exact(self, n: int, deadline: float, what: str) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
+        """Exactly ``n`` bytes, read into pieces of at most ``_READ_STEP`` bytes each allocated only when the one
+        before is full: memory follows the bytes that arrived, not the ``n`` a peer announced."""
+        pieces = []
         got = 0
         while got < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise WireError(f"{self.where} did not send {what} in time ({got} of {n} bytes)")
-            self.sock.settimeout(left)
-            try:
-                k = self.sock.recv_into(view[got:])
-            except socket.timeout:
-                continue
-            except OSError as e:
-                raise WireError(f"receiving {what} from {self.where} failed: {e}") from e
-            if k == 0:
-                raise WireError(f"{self.where} closed the connection in the middle of {what} ({got} of {n} bytes)")
-            got += k
-        return bytes(buf)
+            piece = bytearray(min(n - got, _READ_STEP))
+            view = memoryview(piece)
+            filled = 0
+            while filled < len(piece):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WireError(f"{self.where} did not send {what} in time ({got + filled} of {n} bytes)")
+                self.sock.settimeout(left)
+                try:
+                    k = self.sock.recv_into(view[filled:])
+                except socket.timeout:
+                    continue
+                except OSError as e:
+                    raise WireError(f"receiving {what} from {self.where} failed: {e}") from e
+                if k == 0:
+                    raise WireError(f"{self.where} closed the connection in the middle of {what} ({got + filled} "
+                                    f"of {n} bytes)")
+                filled += k
+            view.release()
+            pieces.append(piece)
+            got += filled
+        return bytes(pieces[0]) if len(pieces) == 1 else b"".join(pieces)
 
 
 # ---------------------------------------------------------------------- authentication
@@ -210,18 +247,18 @@ def connect_peer(addr: str, port: int, secret: str, deadline: float, max_payload
     except OSError as e:
         raise WireError(f"cannot reach {where}: {e} (is that host's holder running? is the port reachable?)") from e
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    wire = Wire(sock, where, max_payload)
+    wire = Wire(sock, where, HANDSHAKE_PAYLOAD)
     try:
         mine = secrets.token_hex(_NONCE)
         wire.send({"op": "hello", "nonce": mine}, deadline=deadline)
         header, _ = wire.expect("challenge", deadline)
-        theirs = str(header.get("nonce", ""))
-        if len(theirs) != 2 * _NONCE or not hmac.compare_digest(str(header.get("mac", "")),
-                                                                mac(secret, "server", mine, theirs)):
+        theirs = _nonce(header)
+        if not theirs or not _mac_ok(header.get("mac"), mac(secret, "server", mine, theirs)):
             raise WireError(f"{where} does not hold this job's secret (its challenge's HMAC is wrong): not this "
                             "job's holder; check that every host runs the same job")
         wire.send({"op": "auth", "mac": mac(secret, "client", theirs, mine)}, deadline=deadline)
         wire.expect("welcome", deadline)
+        wire.max_payload = max_payload
         return wire
     except BaseException:
         wire.close()
@@ -232,19 +269,20 @@ def accept_peer(sock: socket.socket, where: str, secret: str, deadline: float,
                 max_payload: int = MAX_PAYLOAD) -> Wire:
     """Authenticate the client on ``sock`` (just accepted). :class:`WireError` when it does not prove that it
     holds the job's secret in time; the caller closes the connection then."""
-    wire = Wire(sock, where, max_payload)
+    wire = Wire(sock, where, HANDSHAKE_PAYLOAD)
     header, _ = wire.expect("hello", deadline)
-    theirs = str(header.get("nonce", ""))
-    if len(theirs) != 2 * _NONCE:
+    theirs = _nonce(header)
+    if not theirs:
         raise WireError(f"{where} sent a hello without a valid nonce")
     mine = secrets.token_hex(_NONCE)
     wire.send({"op": "challenge", "nonce": mine, "mac": mac(secret, "server", theirs, mine)}, deadline=deadline)
     header, _ = wire.expect("auth", deadline)
-    if not hmac.compare_digest(str(header.get("mac", "")), mac(secret, "client", mine, theirs)):
+    if not _mac_ok(header.get("mac"), mac(secret, "client", mine, theirs)):
         try:
             wire.send({"op": "error", "error": "authentication failed"}, deadline=deadline)
         except WireError:
             pass
         raise WireError(f"{where} failed authentication (its HMAC is wrong): not a holder of this job")
     wire.send({"op": "welcome"}, deadline=deadline)
+    wire.max_payload = max_payload
     return wire

@@ -298,11 +298,21 @@ def remove_tree(path: str) -> None:
 
 
 def plain_parts(rel: str) -> List[str]:
-    """The components of ``rel``, a plain relative file name (no empty, ``.`` or ``..`` component, not absolute);
-    ``OSError(EINVAL)`` otherwise. Every name reached *beneath* a directory is checked by it (also the names a
-    memory tier's peer sends, memory/peers.py)."""
+    """The components of ``rel``, a plain relative file name (no empty, ``.`` or ``..`` component, not absolute,
+    no NUL byte: the OS would refuse it with ``ValueError``, not ``OSError``); ``OSError(EINVAL)`` otherwise.
+    A backslash is an ordinary character of a POSIX name (one component, nothing it could escape), so it is
+    taken: a checkpoint's existing files may carry one. Every name reached *beneath* a directory is checked by
+    it (also the names a memory tier's peer sends, memory/peers.py).
+
+    >>> plain_parts("side/x.json")
+    ['side', 'x.json']
+    >>> plain_parts("x" + chr(0))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    OSError: [Errno 22] not a plain relative file name: ...
+    """
     parts = rel.split("/")
-    if not rel or any(p in ("", ".", "..") for p in parts):
+    if not rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
         raise OSError(errno.EINVAL, "not a plain relative file name", rel)
     return parts
 
