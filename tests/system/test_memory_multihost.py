@@ -19,6 +19,8 @@ them one host). The same file is the trainer (``python <this file> <json>``).
   zero-filled first: a read of any would fail its checksum).
 * 4 hosts x 1 rank: each host holds its own rank's file and its source
   host's (peer_jump=1), nothing else; a lost host restores from peers.
+* 2 hosts x 1 rank, 2,000 small tensors each: the records (and the manifest) of
+  a realistic model cross between the holders (more than a frame's header).
 * a peer host killed while a save is in flight, or only its holder killed
   before a save: the save fails (reported on the
   training side), the previous memory step stays latest on both hosts.
@@ -46,14 +48,20 @@ def _tier(memory_dir: str):
     return MemoryTier(persist_every=_PERSIST, memory_dir=memory_dir, idle_s=120.0)
 
 
-def _state(step: int, rank: int, world: int):
+def _state(step: int, rank: int, world: int, many: int = 0):
+    """The state of ``rank`` at ``step``; ``many`` more small sharded tensors (each rank's done record then lists
+    that many pieces: a realistic model's record, far over a frame header's 64 KiB)."""
     import torch
 
     import nostall
 
-    return {"w": nostall.ShardedTensor(torch.arange(_N, dtype=torch.float32) * (step + 1) + rank * _N,
-                                       (world * _N,), (rank * _N,)),
-            "b": torch.full((100,), float(step)), "step": step}
+    state = {"w": nostall.ShardedTensor(torch.arange(_N, dtype=torch.float32) * (step + 1) + rank * _N,
+                                        (world * _N,), (rank * _N,)),
+             "b": torch.full((100,), float(step)), "step": step}
+    for i in range(many):
+        state[f"layers.{i}.weight"] = nostall.ShardedTensor(torch.full((4,), float(step * 10000 + i + rank)),
+                                                            (world * 4,), (rank * 4,))
+    return state
 
 
 def trainer(args: Dict[str, Any]) -> None:
@@ -82,7 +90,7 @@ def trainer(args: Dict[str, Any]) -> None:
             if step in args.get("pause_after_save", []) and rank == world - 1:
                 mgr._faults.writer_delay_s = 5.0  # the last host's part is still being written when it is killed
             try:
-                mgr.save(step, _state(step, rank, world))
+                mgr.save(step, _state(step, rank, world, args.get("many", 0)))
                 if step in args.get("pause_after_save", []):  # staged on every rank; the test kills a host now
                     open(os.path.join(args["out"], f"rank{rank}.saved"), "w").close()
                     while not os.path.exists(os.path.join(args["out"], "go")):
@@ -241,6 +249,32 @@ def test_two_hosts_commit_with_the_replica_and_restore_from_own_memory(tmp_path,
         # a clean close on every rank releases both holders: nothing of the job is left on either host
         assert _wait_no_pids(net) == {}
         assert not os.path.exists(ra) and not os.path.exists(rb)
+
+
+@pytest.mark.timeout(600)
+def test_a_model_of_thousands_of_tensors_commits_on_both_hosts(tmp_path):
+    from tests.netns_hosts import HostNet
+
+    with HostNet(2, str(tmp_path)) as net:
+        a, b = net.hosts
+        logs = str(tmp_path / "logs")
+        os.makedirs(logs)
+        out = str(tmp_path / "out")
+        job = Job([a, b], 1, {**_common(tmp_path, net, "mh-many"), "mode": "save", "first": 1, "last": 1,
+                              "many": 2000, "die": True, "out": out}, logs, "save")
+        assert job.wait() == [-signal.SIGKILL] * 2, job.tails()
+        got = _results(out, 2)
+        for g in got:
+            assert g["failed"] == {} and g["memory_latest"] == 1, (g, job.tails())
+        ra, rb = _memory_root(a, got[0], net), _memory_root(b, got[1], net)
+        names = ["manifest.json", "rank0.safetensors", "rank1.safetensors"]
+        assert sorted(os.listdir(os.path.join(ra, "step_1"))) == names
+        assert sorted(os.listdir(os.path.join(rb, "step_1"))) == names
+        for name in names:
+            with open(os.path.join(ra, "step_1", name), "rb") as fa, open(os.path.join(rb, "step_1", name), "rb") as fb:
+                assert fa.read() == fb.read(), name
+        with open(os.path.join(ra, "step_1", "manifest.json")) as f:
+            assert "layers.1999.weight" in f.read()
 
 
 @pytest.mark.timeout(600)

@@ -32,11 +32,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from nostall.core.jobs import Destination
 from nostall.memory.peers import HostTable, PeerServer, Replica, receive_replica, send_replica
+from nostall.memory.rendezvous import MemoryTierError
 from nostall.memory.roots import MemoryRoot
-from nostall.memory.wire import Throttle, Wire, WireError, connect_peer
+from nostall.memory.wire import MAX_PAYLOAD, Throttle, Wire, WireError, connect_peer
 from nostall.saving.commit import steps_to_delete
 from nostall.core.format import MANIFEST_NAME
-from nostall.storage.root import TMP_DIR, step_name
+from nostall.storage.files import open_dir_beneath, plain_parts
+from nostall.storage.root import RECORD_MAX_BYTES, TMP_DIR, step_name
 
 log = logging.getLogger("nostall")
 
@@ -45,6 +47,61 @@ __all__ = ["Relay"]
 _COMMIT_RE = re.compile(r"^commit-([0-9a-f]{32})$")
 _LOOK_S = 0.05
 _MAX_MANIFEST = 1 << 30
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def send_blob(wire: Wire, header: Dict[str, Any], blob: bytes, deadline: float) -> None:
+    """Send ``header`` (with ``"size": len(blob)``) and ``blob`` in frames of at most the wire's payload limit:
+    the first piece with the header, the rest in ``{"op": "more"}`` frames (docs/protocol.md, "The relay's
+    requests"). A record or a manifest is bounded by nostall's own limits, not by one frame's."""
+    step = min(wire.max_payload, MAX_PAYLOAD)
+    view = memoryview(blob)
+    wire.send(dict(header, size=len(blob)), view[:step], deadline=deadline)
+    for i in range(step, len(blob), step):
+        wire.send({"op": "more"}, view[i:i + step], deadline=deadline)
+
+
+def recv_blob(wire: Wire, header: Dict[str, Any], payload: bytes, limit: int, deadline: float) -> bytes:
+    """The blob that :func:`send_blob` sent, ``header`` and ``payload`` its first frame: its announced size
+    checked against ``limit`` and the bytes that came (a buffer that grows as they come, never allocated ahead
+    of them); :class:`WireError` otherwise."""
+    size = header.get("size")
+    if not isinstance(size, int) or not 0 <= size <= limit:
+        raise WireError(f"{wire.where} announced a {header.get('op')!r} of {size!r} bytes (at most {limit})")
+    buf = bytearray(payload)
+    while len(buf) < size:
+        _, more = wire.expect("more", deadline)
+        if not more:
+            raise WireError(f"{wire.where} sent an empty piece of a {header.get('op')!r}")
+        buf += more
+    if len(buf) != size:
+        raise WireError(f"{wire.where} sent {len(buf)} bytes of a {header.get('op')!r} announced as {size}")
+    return bytes(buf)
+
+
+def move_beneath(src_top: str, dst_top: str, rel: str) -> None:
+    """Move the file ``src_top/rel`` to ``dst_top/rel`` (folders made as needed), no link followed on either
+    side, never replacing anything: a ``dst_top/rel`` that exists raises :class:`FileExistsError` (a hard link
+    then an unlink: one filesystem, the memory root's)."""
+    parts = plain_parts(rel)
+    src = open_dir_beneath(src_top, parts[:-1])
+    try:
+        dst = open_dir_beneath(dst_top)
+        try:
+            for part in parts[:-1]:
+                try:
+                    os.mkdir(part, 0o700, dir_fd=dst)
+                except FileExistsError:
+                    pass
+                nxt = os.open(part, _DIR_FLAGS, dir_fd=dst)
+                os.close(dst)
+                dst = nxt
+            os.link(parts[-1], parts[-1], src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
+            os.unlink(parts[-1], dir_fd=src)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 class Relay:
@@ -135,7 +192,9 @@ class Relay:
         root, table = self.root, self.table
         if root is None or table is None:
             return
-        for save_id in self._saves():
+        saves = self._saves()
+        self._forget(set(saves))
+        for save_id in saves:
             known = root.outcome_of(save_id)
             if known is None:  # (a save whose outcome is known, an earlier job's say, is done with)
                 self._seen.add(save_id)
@@ -144,8 +203,22 @@ class Relay:
                     if all(h is not None for h in held):
                         self._replicate_and_forward(save_id, dict(zip(sorted(root.own), held)))  # type: ignore
             elif self.host == 0 and save_id in self._seen and save_id not in self._announced:
-                self._announced.add(save_id)
-                self._announce(save_id, known)
+                try:
+                    self._announce(save_id, known)
+                finally:  # (every host was tried, each bounded: a host that missed it times out there)
+                    self._announced.add(save_id)
+
+    def _forget(self, listed: Set[str]) -> None:
+        """What this relay knows of saves whose records directory is gone (dropped after their outcome), dropped:
+        its sets stay as small as the memory root's ``.tmp``. A replica received for a save whose records
+        directory is not there yet stays (it is made with the replica's staging)."""
+        with self._lock:
+            for known in (self._forwarded, self._received):
+                for save_id in [s for s in known if s not in listed]:
+                    if known is self._forwarded or save_id in self._seen:
+                        del known[save_id]
+            self._seen &= listed
+            self._announced &= listed
 
     def _replicate_and_forward(self, save_id: str, held: Dict[int, Tuple[Optional[int], Dict[str, Any]]]) -> None:
         root, table = self.root, self.table
@@ -206,40 +279,55 @@ class Relay:
         deadline = time.monotonic() + self.timeout
         wire = connect_peer(addr, port, self.secret, deadline)
         try:
-            wire.send({"op": "records", "save_id": save_id, "records": {str(r): d for r, d in records.items()}},
-                      deadline=deadline)
+            body = json.dumps({str(r): d for r, d in records.items()}, sort_keys=True).encode()
+            send_blob(wire, {"op": "records", "save_id": save_id}, body, deadline)
             wire.expect("ok", deadline)
         finally:
             wire.close()
 
     def _announce(self, save_id: str, ok: bool) -> None:
-        """Host 0: the outcome of ``save_id`` (with its manifest) to every other holder (best effort: a host
-        that does not get it times out waiting, its save failed there)."""
+        """Host 0: the outcome of ``save_id`` (with its manifest) to every other holder, all at once (one thread
+        per host, each bounded by the relay's timeout: a host that does not answer delays no other). Best effort:
+        a host that does not get it times out waiting, its save failed there. Never raises."""
         root, table = self.root, self.table
         assert root is not None and table is not None
         step = self._forwarded.get(save_id)
         manifest = b""
         error = ""
         if ok and step is not None:
-            manifest = root.manifest_bytes(step_name(step)) or b""
+            try:
+                manifest = root.manifest_bytes(step_name(step)) or b""
+            except OSError as e:
+                log.error("memory tier: save %s: the manifest of step %d on host 0 is unreadable: %s", save_id,
+                          step, e)
             if not manifest:
-                ok, error = False, f"step {step} is announced committed on host 0 but has no manifest there"
+                ok, error = False, f"step {step} is announced committed on host 0 but has no readable manifest there"
         elif not ok:
             error = self._error_of(save_id)
-        for h in range(1, table.hosts):
-            addr, port = table.addrs[h]
-            deadline = time.monotonic() + self.timeout
+        header = {"op": "outcome", "save_id": save_id, "step": step, "ok": ok, "error": error}
+        deadline = time.monotonic() + self.timeout
+        threads = [threading.Thread(target=self._announce_to, args=(h, header, manifest, deadline),
+                                    name="nostall-relay-outcome", daemon=True) for h in range(1, table.hosts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 1.0)
+
+    def _announce_to(self, host: int, header: Dict[str, Any], manifest: bytes, deadline: float) -> None:
+        """One host's outcome (a thread of :meth:`_announce`): anything wrong is logged, never raised."""
+        table = self.table
+        assert table is not None
+        try:
+            addr, port = table.addrs[host]
+            wire = connect_peer(addr, port, self.secret, deadline)
             try:
-                wire = connect_peer(addr, port, self.secret, deadline)
-                try:
-                    wire.send({"op": "outcome", "save_id": save_id, "step": step, "ok": ok, "error": error},
-                              manifest, deadline=deadline)
-                    wire.expect("ok", deadline)
-                finally:
-                    wire.close()
-            except WireError as e:
-                log.warning("memory tier: the outcome of save %s (step %s) could not reach host %d: %s", save_id,
-                            step, h, e)
+                send_blob(wire, header, manifest, deadline)
+                wire.expect("ok", deadline)
+            finally:
+                wire.close()
+        except Exception as e:  # (unreachable, refusing, a bad answer): that host's writers time out
+            log.warning("memory tier: the outcome of save %s (step %s) could not reach host %d: %s: %s",
+                        header["save_id"], header["step"], host, type(e).__name__, e)
 
     def _error_of(self, save_id: str) -> str:
         root = self.root
@@ -273,9 +361,13 @@ class Relay:
             with self._lock:
                 self._received.setdefault(replica.save_id, set()).update(replica.files)
                 for n in replica.files:
-                    dst = os.path.join(top, n)
-                    os.makedirs(os.path.dirname(dst), exist_ok=True)
-                    os.rename(os.path.join(src, n), dst)
+                    try:
+                        move_beneath(src, top, n)
+                    except FileExistsError:
+                        raise MemoryTierError(
+                            f"host {self.host} refuses host {replica.host}'s replica of save {replica.save_id}: "
+                            f"{n!r} exists in its staging {top} (two hosts wrote the same file; check the host "
+                            "table)") from None
             root.drop_replica_dir(replica.save_id)
 
         got = receive_replica(wire, header, directory, time.monotonic() + self.timeout, before_ack=move)
@@ -284,13 +376,18 @@ class Relay:
 
     def _on_records(self, wire: Wire, header: Dict[str, Any], payload: bytes) -> None:
         root = self.root
-        save_id, records = header.get("save_id"), header.get("records")
+        save_id, table = header.get("save_id"), self.table
         deadline = time.monotonic() + self.timeout
-        if root is None or self.host != 0 or not isinstance(save_id, str) or not _COMMIT_RE.match(
-                f"commit-{save_id}") or not isinstance(records, dict):
+        if root is None or table is None or self.host != 0 or not isinstance(save_id, str) or not _COMMIT_RE.match(
+                f"commit-{save_id}"):
             wire.send({"op": "error", "error": "records refused (not host 0, or malformed)"}, deadline=deadline)
             return
+        body = recv_blob(wire, header, payload, RECORD_MAX_BYTES * max(
+            len(table.ranks_of(h)) for h in range(table.hosts)), deadline)
         try:
+            records = json.loads(body)
+            if not isinstance(records, dict):
+                raise ValueError("the records are not an object")
             for r, doc in records.items():
                 if not isinstance(doc, dict):
                     raise ValueError(f"rank {r}'s record is not an object")
@@ -308,6 +405,7 @@ class Relay:
                 f"commit-{save_id}"):
             wire.send({"op": "error", "error": "outcome refused (malformed)"}, deadline=deadline)
             return
+        payload = recv_blob(wire, header, payload, _MAX_MANIFEST, deadline)
         dest = self._dest(save_id, step if isinstance(step, int) else None)
         error = str(header.get("error") or "")
         if ok and isinstance(step, int):
