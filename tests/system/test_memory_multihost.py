@@ -150,6 +150,14 @@ class Job:
                     self.procs.append(h.popen([sys.executable, __file__, json.dumps(args)], env=env, stdout=f,
                                               stderr=subprocess.STDOUT))
 
+    def wait_for_marks(self, out: str, what: str, ranks: int, timeout: float = 180.0) -> None:
+        """Until every rank wrote ``<out>/rank<R>.<what>`` (its trainer reached that point); fails naming the
+        logs if a trainer exits first or ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while not all(os.path.exists(os.path.join(out, f"rank{r}.{what}")) for r in range(ranks)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in self.procs), self.tails()
+            time.sleep(0.05)
+
     def tails(self) -> str:
         out = []
         for log in self.logs:
@@ -288,10 +296,7 @@ def test_a_peer_holder_killed_before_a_save_leaves_the_previous_step_latest(tmp_
         out = str(tmp_path / "out")
         job = Job([a, b], 1, {**_common(tmp_path, net, "mh2"), "mode": "save", "first": 1, "last": 3,
                               "pause_before": [3], "timeout": 8, "out": out}, logs, "save")
-        deadline = time.monotonic() + 180
-        while not all(os.path.exists(os.path.join(out, f"rank{r}.paused")) for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs), job.tails()
-            time.sleep(0.1)
+        job.wait_for_marks(out, "paused", 2)
         # step 1 is committed in memory on both hosts (step 2 went to the persistent root); host b's holder dies
         # (its trainer lives on)
         base_b = os.path.join(b.disk, "shm", f"nostall-{os.getuid()}")
@@ -393,10 +398,7 @@ def test_a_peer_host_killed_mid_save_leaves_the_previous_step_latest(tmp_path):
         out = str(tmp_path / "out")
         job = Job([a, b], 1, {**_common(tmp_path, net, "mh5"), "mode": "save", "first": 1, "last": 3,
                               "pause_after_save": [3], "timeout": 8, "out": out}, logs, "save")
-        deadline = time.monotonic() + 180
-        while not all(os.path.exists(os.path.join(out, f"rank{r}.saved")) for r in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in job.procs), job.tails()
-            time.sleep(0.05)
+        job.wait_for_marks(out, "saved", 2)
         b.kill_all()  # step 3 is staged on both ranks, host b's part still being written: host b goes, holder and all
         open(os.path.join(out, "go"), "w").close()
         codes = job.wait()
